@@ -1,0 +1,32 @@
+# Quickstart: `make run` (venv, install, default campaign on CPU) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CORES ?= all
+
+.PHONY: run test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Reinstall only when the project's metadata changes, so a second `make run` costs seconds.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/snakemake --cores $(CORES) $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/snakemake --lint
+
+clean:
+	rm -rf .snakemake .evident

@@ -1,0 +1,26 @@
+# evident: one target runs a campaign and leaves a sealed evidence directory.
+#   snakemake -c2                                   # the default campaign (config/config.yaml)
+#   snakemake -c2 --configfile config/campaigns/X.yaml
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+# An unknown key or a bad value stops the run here, before any work, naming the key.
+validate(config, "config/schema.yaml", set_default=True)
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/checkpoint.smk"
+include: "workflow/rules/oracle.smk"
+include: "workflow/rules/parity.smk"
+include: "workflow/rules/seal.smk"
+
+
+rule all:
+    input:
+        GATE,
+    default_target: True

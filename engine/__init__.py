@@ -1,0 +1,9 @@
+"""A small, self-contained DeepSeek-V2 inference engine (gpt-fast style).
+
+config.py      ModelArgs: the model shape, read from an HF config.json
+model.py       Transformer (MLA attention over a compressed latent KV cache, MoE) and LatentCache
+checkpoint.py  load_model(): HF-format safetensors -> Transformer; CheckpointError
+generate.py    greedy batched generation: generate() -> Generation
+
+Only torch, safetensors and the standard library are used here.
+"""

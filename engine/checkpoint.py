@@ -1,0 +1,135 @@
+"""Load HF-format DeepSeek-V2 safetensors checkpoints into the engine's Transformer.
+
+Accepted tensor names (HF): ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.*``,
+``model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight`` (dense), ``model.layers.{i}.mlp.gate.weight``,
+routed experts either per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what hub checkpoints and
+``save_pretrained`` write) or packed (transformers-5 ``mlp.experts.gate_up_proj`` [E, 2I, H], gate first,
+and ``mlp.experts.down_proj`` [E, H, I], what ``state_dict()`` holds), ``mlp.shared_experts.*``,
+``model.norm.weight``, ``lm_head.weight``. Single ``model.safetensors`` or sharded via
+``model.safetensors.index.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelArgs
+from .model import Transformer
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_PACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not match the model; the message names the file/tensor."""
+
+
+def _shard_map(ckpt_dir: str) -> dict[str, list[str] | None]:
+    """{file path: tensor names the index promises (None for a single unindexed file)}."""
+    index = os.path.join(ckpt_dir, INDEX)
+    single = os.path.join(ckpt_dir, SINGLE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: cannot read safetensors index ({e!r})") from e
+        files: dict[str, list[str] | None] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(os.path.join(ckpt_dir, fname), []).append(name)
+        for path in files:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: safetensors shard listed in {index} not found")
+        return files
+    if os.path.isfile(single):
+        return {single: None}
+    raise CheckpointError(f"{ckpt_dir}: no {SINGLE} or {INDEX} found")
+
+
+def read_tensors(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of a checkpoint directory -> ({HF name: tensor}, {HF name: file})."""
+    tensors, where = {}, {}
+    for path, promised in _shard_map(os.fspath(ckpt_dir)).items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                for name in promised or []:
+                    if name not in names:
+                        raise CheckpointError(f"{path}: tensor {name!r} listed in the index is missing from the file")
+                for name in names:
+                    if name in where:
+                        raise CheckpointError(f"{path}: tensor {name!r} also present in {where[name]}")
+                    tensors[name], where[name] = f.get_tensor(name), path
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError / OSError / ValueError on corrupt files
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
+    return tensors, where
+
+
+def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], args: ModelArgs):
+    """HF names -> engine names (drop ``model.``, unpack packed experts, drop empty/tied extras)."""
+    out, src = {}, {}
+    for name, t in tensors.items():
+        file = where[name]
+        key = name[len("model."):] if name.startswith("model.") else name
+        if args.tie_word_embeddings and key == "lm_head.weight":
+            continue  # tied to embed_tokens (as HF)
+        if ".shared_experts." in key and t.numel() == 0 and not args.n_shared_experts:
+            continue  # HF writes zero-size shared experts when n_shared_experts == 0
+        m = _PACKED.match(key)
+        if m:
+            prefix, kind = m.groups()
+            E, I, H = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+            want = (E, 2 * I, H) if kind == "gate_up_proj" else (E, H, I)
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+            for e in range(E):
+                if kind == "gate_up_proj":
+                    parts = {"gate_proj": t[e, :I], "up_proj": t[e, I:]}
+                else:
+                    parts = {"down_proj": t[e]}
+                for proj, w in parts.items():
+                    k = f"{prefix}.{e}.{proj}.weight"
+                    out[k], src[k] = w.contiguous(), (file, name)
+            continue
+        out[key], src[key] = t, (file, name)
+    return out, src
+
+
+def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build a Transformer from ``ckpt_dir`` (config.json + safetensors). Router gates stay fp32."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    args = ModelArgs.load(ckpt_dir)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {k: v for k, v in model.state_dict().items()
+                if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    tensors, where = read_tensors(ckpt_dir)
+    sd, src = _to_engine_names(tensors, where, args)
+    files = ", ".join(sorted(set(where.values()))) or ckpt_dir
+    for k in expected:
+        if k not in sd:
+            hf = k if k == "lm_head.weight" else "model." + k
+            raise CheckpointError(f"{files}: missing tensor {hf!r}")
+    for k, t in sd.items():
+        file, name = src[k]
+        if k not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r}")
+        if t.shape != expected[k].shape:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[k].shape)}")
+        if not t.is_floating_point():
+            raise CheckpointError(f"{file}: tensor {name!r} has non-float dtype {t.dtype}")
+        # copy=True: fresh, allocator-aligned storage, so numerics do not depend on the file's tensor offsets
+        sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith("mlp.gate.weight") else dtype, copy=True)
+    model.load_state_dict(sd, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,283 @@
+"""DeepSeek-V2 transformer: MLA attention over a compressed latent KV cache, and DeepSeekMoE.
+
+Numerics follow transformers' ``modeling_deepseek_v2`` (interleaved/complex RoPE on the rope
+part of q/k only, fp32 RMSNorm, fp32 router). Module names match the HF checkpoint names
+with the leading ``model.`` removed (``embed_tokens``, ``layers.{i}...``, ``norm``, ``lm_head``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs, yarn_get_mscale
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rope_dim/2] fp32, attention_factor), as HF default / yarn rope init."""
+    rp, dim = args.rope_parameters, args.qk_rope_head_dim
+    base = rp["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
+    if args.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    # yarn (HF _compute_yarn_parameters)
+    factor = args.rope_factor
+    orig = rp["original_max_position_embeddings"]
+    mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    beta_fast = rp.get("beta_fast") or 32
+    beta_slow = rp.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # prevent singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [..., D] by complex freqs_cis broadcastable to [..., D/2]."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+class LatentCache:
+    """Static per-row cache of the compressed MLA latent: normalised c_kv and roped k_pe.
+
+    kv: (n_layers, max_rows, max_len, kv_lora_rank); pe: (n_layers, max_rows, max_len, qk_rope_head_dim);
+    lengths: (max_rows,) tokens already cached per row.
+    """
+
+    def __init__(self, n_layers: int, max_rows: int, max_len: int, kv_lora_rank: int, rope_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.kv = torch.zeros(n_layers, max_rows, max_len, kv_lora_rank, device=device, dtype=dtype)
+        self.pe = torch.zeros(n_layers, max_rows, max_len, rope_dim, device=device, dtype=dtype)
+        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=device)
+
+    @classmethod
+    def for_model(cls, model: "Transformer", max_rows: int, max_len: int) -> "LatentCache":
+        a, w = model.args, model.embed_tokens.weight
+        return cls(a.num_hidden_layers, max_rows, max_len, a.kv_lora_rank, a.qk_rope_head_dim, w.device, w.dtype)
+
+    @property
+    def max_rows(self) -> int:
+        return self.kv.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[2]
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        if rows is None:
+            self.lengths.zero_()
+        else:
+            self.lengths[rows] = 0
+
+    def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor):
+        """Store c_kv [B,T,R] and k_pe [B,T,Dr] of rows [B] at positions pos [B,T]."""
+        self.kv[layer, rows[:, None], pos] = c_kv.to(self.kv.dtype)
+        self.pe[layer, rows[:, None], pos] = k_pe.to(self.pe.dtype)
+
+    def read(self, layer: int, rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer, rows, :length], self.pe[layer, rows, :length]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=bias)
+        self.up_proj = nn.Linear(dim, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention. The cache holds only (c_kv, k_pe); K/V are expanded via kv_b_proj."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        a = args
+        self.n_heads, self.nope, self.rope, self.v_dim = (
+            a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim)
+        self.kv_lora_rank, self.qk_head_dim, self.scale = a.kv_lora_rank, a.qk_head_dim, a.softmax_scale
+        q_out = a.num_attention_heads * a.qk_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = nn.Linear(a.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank)  # eps 1e-6, not rms_norm_eps (as HF)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=a.attention_bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank)  # eps 1e-6 (as HF)
+        self.kv_b_proj = nn.Linear(a.kv_lora_rank, a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(a.num_attention_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+
+    def forward(self, x, freqs_cis, cache: LatentCache, layer: int, rows, pos, length: int, mask):
+        B, T, _ = x.shape
+        H = self.n_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(B, T, H, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe = apply_rope(q_pe, freqs_cis[:, :, None])
+        k_pe = apply_rope(k_pe, freqs_cis)
+
+        cache.write(layer, rows, pos, c_kv, k_pe)
+        c_all, pe_all = cache.read(layer, rows, length)  # [B,L,R], [B,L,Dr]
+        L = c_all.shape[1]
+        k_nope, v = self.kv_b_proj(c_all.to(x.dtype)).view(B, L, H, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, pe_all.to(x.dtype)[:, :, None].expand(B, L, H, self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+
+        scores = torch.einsum("bthd,bshd->bhts", q, k) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, H * self.v_dim)
+        return self.o_proj(out)
+
+
+class Gate(nn.Module):
+    """Router weight; kept in fp32 whatever the model dtype (HF _keep_in_fp32_modules_strict)."""
+
+    def __init__(self, n_experts: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, dim, dtype=torch.float32))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = bool(args.norm_topk_prob)
+        self.routed_scaling_factor = args.routed_scaling_factor
+        self.gate = Gate(args.n_routed_experts, args.hidden_size)
+        self.experts = nn.ModuleList(
+            MLP(args.hidden_size, args.moe_intermediate_size, args.mlp_bias) for _ in range(args.n_routed_experts))
+        n_shared = args.n_shared_experts or 0
+        self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * n_shared, args.mlp_bias)
+                               if n_shared > 0 else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (weights [N, k] fp32, expert indices [N, k]); greedy top-k over fp32 softmax."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        if self.norm_topk_prob and self.top_k > 1:
+            # DeepSeek reference semantics. NOTE: HF native DeepseekV2 ignores norm_topk_prob (always
+            # scales), so HF-parity tests use norm_topk_prob=False.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * self.routed_scaling_factor
+        return weights, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, idx = self.route(flat)
+        out = torch.zeros_like(flat)
+        for e in torch.unique(idx).tolist():  # ascending expert order, as HF
+            tok, slot = torch.where(idx == e)
+            y = self.experts[e](flat[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        out = out.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer_idx) else MLP(
+            args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, freqs_cis, cache, layer, rows, pos, length, mask):
+        x = x + self.self_attn(self.input_layernorm(x), freqs_cis, cache, layer, rows, pos, length, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # plain attribute, not a buffer: stays fp32 through model.to(dtype)
+        self.inv_freq, self.attention_scaling = rope_inv_freq(args)
+
+    def freqs_cis(self, pos: torch.Tensor) -> torch.Tensor:
+        """Complex rotations for integer positions pos [...] -> [..., rope_dim/2] (HF rotary_emb)."""
+        freqs = pos[..., None].float() * self.inv_freq.to(pos.device)
+        return torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
+
+    def forward(self, tokens: torch.Tensor, cache: LatentCache, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B,T] appended to cache rows [B] (default 0..B-1) -> logits [B,T,vocab].
+
+        Each row continues at its own cache length; attention is causal within the new tokens.
+        """
+        B, T = tokens.shape
+        dev = cache.lengths.device
+        rows = torch.arange(B, device=dev) if rows is None else rows.to(dev)
+        if rows.shape != (B,):
+            raise ValueError(f"rows must have shape ({B},), got {tuple(rows.shape)}")
+        starts = cache.lengths[rows]
+        pos = starts[:, None] + torch.arange(T, device=dev)  # [B,T] absolute positions
+        length = int(starts.max()) + T
+        if length > cache.max_len:
+            raise ValueError(f"cache overflow: need {length} positions, cache max_len is {cache.max_len}")
+        mask = (torch.arange(length, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]
+        freqs_cis = self.freqs_cis(pos)
+        h = self.embed_tokens(tokens.to(dev))
+        for i, layer in enumerate(self.layers):
+            h = layer(h, freqs_cis, cache, i, rows, pos, length, mask)
+        logits = self.lm_head(self.norm(h))
+        cache.lengths[rows] += T
+        return logits

@@ -1,0 +1,334 @@
+"""Unit tests for the evidence core (workflow/evidence.py): hashes, atomic writes, git state,
+evidence ids, stage records and the manifest (DESIGN.md "Evidence contract")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from workflow import evidence
+
+# --- hashes --------------------------------------------------------------------------------
+
+
+def test_token_sha256_is_little_endian_u32():
+    # 1 -> 01 00 00 00, 258 = 0x102 -> 02 01 00 00, 70000 = 0x11170 -> 70 11 01 00
+    raw = bytes([0x01, 0, 0, 0, 0x02, 0x01, 0, 0, 0x70, 0x11, 0x01, 0])
+    assert evidence.token_sha256([1, 258, 70000]) == hashlib.sha256(raw).hexdigest()
+    big_endian = b"".join(i.to_bytes(4, "big") for i in (1, 258, 70000))
+    assert evidence.token_sha256([1, 258, 70000]) != hashlib.sha256(big_endian).hexdigest()
+
+
+def test_token_sha256_empty_and_order_sensitive():
+    assert evidence.token_sha256([]) == hashlib.sha256(b"").hexdigest()
+    assert evidence.token_sha256([1, 2]) != evidence.token_sha256([2, 1])
+    # A u32 cannot hold these; the hash must not silently wrap or truncate them.
+    with pytest.raises(OverflowError):
+        evidence.token_sha256([2**32])
+    with pytest.raises(OverflowError):
+        evidence.token_sha256([-1])
+
+
+def test_text_sha256_is_utf8():
+    text = "naïve café ✓"
+    assert evidence.text_sha256(text) == hashlib.sha256(text.encode("utf-8")).hexdigest()
+    assert evidence.text_sha256(text) != hashlib.sha256(text.encode("latin-1", "replace")).hexdigest()
+
+
+def test_config_hash_canonical():
+    a = {"campaign": "tiny", "dtype": "float32", "checkpoint": {"seed": 0, "init_std": 0.08}}
+    b = {"checkpoint": {"init_std": 0.08, "seed": 0}, "dtype": "float32", "campaign": "tiny"}
+    assert evidence.config_hash(a) == evidence.config_hash(b)  # key order does not matter
+    expected = hashlib.sha256(json.dumps(a, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+    assert evidence.config_hash(a) == expected
+    assert re.fullmatch(r"[0-9a-f]{64}", evidence.config_hash(a))
+    c = {**a, "checkpoint": {"seed": 1, "init_std": 0.08}}  # a nested value change
+    assert evidence.config_hash(c) != evidence.config_hash(a)
+
+
+# --- atomic writes -------------------------------------------------------------------------
+
+
+def test_write_bytes_creates_parents_and_leaves_no_temp(tmp_path):
+    p = evidence.write_bytes(tmp_path / "a" / "b" / "x.bin", b"\x00\x01payload")
+    assert p == tmp_path / "a" / "b" / "x.bin"
+    assert p.read_bytes() == b"\x00\x01payload"
+    assert os.listdir(p.parent) == ["x.bin"]
+    evidence.write_bytes(p, b"second")
+    assert p.read_bytes() == b"second"
+    assert os.listdir(p.parent) == ["x.bin"]
+
+
+def test_write_bytes_renames_from_same_directory(tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        seen.append((Path(src), Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    evidence.write_bytes(tmp_path / "out.json", b"{}")
+    [(src, dst)] = seen
+    assert dst == tmp_path / "out.json"
+    assert src.parent == tmp_path  # same filesystem: the rename is atomic
+    assert src != dst
+
+
+def test_write_bytes_failed_replace_keeps_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "result.json"
+    evidence.write_bytes(target, b"old contents")
+
+    def boom(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        evidence.write_bytes(target, b"new contents that never land")
+    assert target.read_bytes() == b"old contents"
+    assert os.listdir(tmp_path) == ["result.json"]  # no temp file left behind
+
+
+def test_write_bytes_failed_write_keeps_old_file(tmp_path):
+    target = tmp_path / "result.json"
+    evidence.write_text(target, "old")
+    with pytest.raises(TypeError):
+        evidence.write_bytes(target, "not bytes")  # the write itself fails
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["result.json"]
+
+
+def test_write_json_round_trip(tmp_path):
+    obj = {"text": "naïve café ✓", "ids": [1, 2, 3], "nested": {"x": None}}
+    p = evidence.write_json(tmp_path / "o.json", obj)
+    assert evidence.read_json(p) == obj
+    assert "naïve café ✓" in p.read_text(encoding="utf-8")  # not \u-escaped
+    assert p.read_text().endswith("\n")
+
+
+# --- git state -----------------------------------------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com",
+         "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", *args],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    r = tmp_path / "repo"
+    r.mkdir()
+    _git(r, "init", "-q")
+    (r / "code.py").write_text("print('hi')\n")
+    (r / ".gitignore").write_text("ignored.log\n")
+    _git(r, "add", "code.py", ".gitignore")
+    _git(r, "commit", "-q", "-m", "init")
+    return r
+
+
+def test_git_state_clean(repo):
+    st = evidence.git_state(repo)
+    assert st["commit"] == _git(repo, "rev-parse", "HEAD")
+    assert re.fullmatch(r"[0-9a-f]{40}", st["commit"])
+    assert st["dirty"] is None
+
+
+def test_git_state_dirty_tracked_then_untracked(repo):
+    (repo / "code.py").write_text("print('changed')\n")
+    tracked = evidence.git_state(repo)
+    assert tracked["commit"] == _git(repo, "rev-parse", "HEAD")
+    assert tracked["dirty"] is not None and re.fullmatch(r"[0-9a-f]{64}", tracked["dirty"])
+    assert evidence.git_state(repo)["dirty"] == tracked["dirty"]  # deterministic
+
+    (repo / "new.py").write_text("x = 1\n")
+    with_untracked = evidence.git_state(repo)
+    assert with_untracked["dirty"] not in (None, tracked["dirty"])
+
+    (repo / "new.py").write_text("x = 2\n")  # the untracked file's content counts, not just its name
+    assert evidence.git_state(repo)["dirty"] not in (None, with_untracked["dirty"])
+
+
+def test_git_state_untracked_only_and_ignored(repo):
+    (repo / "ignored.log").write_text("noise\n")
+    assert evidence.git_state(repo)["dirty"] is None  # ignored files are not code
+    (repo / "new.py").write_text("x = 1\n")
+    assert evidence.git_state(repo)["dirty"] is not None
+    (repo / "new.py").unlink()
+    assert evidence.git_state(repo)["dirty"] is None
+
+
+def test_git_state_reverted_change_is_clean(repo):
+    (repo / "code.py").write_text("print('changed')\n")
+    assert evidence.git_state(repo)["dirty"] is not None
+    (repo / "code.py").write_text("print('hi')\n")
+    assert evidence.git_state(repo)["dirty"] is None
+
+
+def test_git_state_not_a_repo(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    d = tmp_path / "plain"
+    d.mkdir()
+    assert evidence.git_state(d) == {"commit": None, "dirty": None}
+
+
+# --- evidence ids --------------------------------------------------------------------------
+
+ID_RE = re.compile(r"^(?P<commit>[0-9a-f]{7})(-dirty(?P<dirty>[0-9a-f]{8}))?-c(?P<config>[0-9a-f]{8})-r(?P<repeat>\d+)$")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+CONFIG = {"campaign": "tiny", "dtype": "float32", "repeat": 1}
+
+
+def test_evidence_id_clean_format():
+    eid = evidence.evidence_id({"commit": COMMIT, "dirty": None}, CONFIG, 1)
+    m = ID_RE.match(eid)
+    assert m, eid
+    assert m["commit"] == COMMIT[:7]
+    assert m["dirty"] is None and "dirty" not in eid
+    assert m["config"] == evidence.config_hash(CONFIG)[:8]
+    assert m["repeat"] == "1"
+    assert eid == f"0123456-c{evidence.config_hash(CONFIG)[:8]}-r1"
+
+
+def test_evidence_id_dirty_format():
+    dirty = "fedcba9876543210" * 4
+    eid = evidence.evidence_id({"commit": COMMIT, "dirty": dirty}, CONFIG, 3)
+    m = ID_RE.match(eid)
+    assert m, eid
+    assert m["dirty"] == dirty[:8]
+    assert eid == f"0123456-dirtyfedcba98-c{evidence.config_hash(CONFIG)[:8]}-r3"
+
+
+def test_evidence_id_changes_with_config_repeat_and_code():
+    git = {"commit": COMMIT, "dirty": None}
+    base = evidence.evidence_id(git, CONFIG, 1)
+    assert evidence.evidence_id(git, dict(CONFIG), 1) == base  # same code + config -> same dir
+    assert evidence.evidence_id(git, {**CONFIG, "dtype": "bfloat16"}, 1) != base
+    assert evidence.evidence_id(git, CONFIG, 2) != base
+    assert evidence.evidence_id({"commit": "f" * 40, "dirty": None}, CONFIG, 1) != base
+    assert evidence.evidence_id({"commit": COMMIT, "dirty": "a" * 64}, CONFIG, 1) != base
+
+
+def test_evidence_id_from_real_repo(repo):
+    clean = evidence.evidence_id(evidence.git_state(repo), CONFIG, 1)
+    assert ID_RE.match(clean) and "-dirty" not in clean
+    (repo / "code.py").write_text("print('changed')\n")
+    dirty = evidence.evidence_id(evidence.git_state(repo), CONFIG, 1)
+    assert ID_RE.match(dirty) and "-dirty" in dirty
+    assert dirty.split("-")[0] == clean.split("-")[0]
+
+
+def test_evidence_id_without_git():
+    eid = evidence.evidence_id({"commit": None, "dirty": None}, CONFIG, 1)
+    assert ID_RE.match(eid)
+
+
+# --- stage records -------------------------------------------------------------------------
+
+
+def test_stage_ok_record(tmp_path):
+    with evidence.Stage(tmp_path, "oracle", params={"dtype": "float32"}) as st:
+        st.write_json("oracle/hf.json", {"cases": []})
+        (tmp_path / "extra.txt").write_text("x")
+        st.add_file(tmp_path / "extra.txt")
+        st.metrics["tokens"] = 64.0
+        st.tags["verdict"] = "all_token_text_exact"
+    rec = evidence.read_json(tmp_path / "stages" / "oracle.json")
+    assert rec["name"] == "oracle"
+    assert rec["status"] == "ok"
+    assert "error" not in rec
+    assert rec["params"] == {"dtype": "float32"}
+    assert rec["metrics"] == {"tokens": 64.0}
+    assert rec["tags"] == {"verdict": "all_token_text_exact"}
+    assert rec["files"] == ["extra.txt", "oracle/hf.json"]  # relative, posix, sorted
+    assert evidence.read_json(tmp_path / "oracle" / "hf.json") == {"cases": []}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rec["started_utc"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rec["finished_utc"])
+    assert rec["seconds"] >= 0
+    assert [r["name"] for r in evidence.stage_records(tmp_path)] == ["oracle"]
+
+
+def test_stage_failure_recorded_and_reraised(tmp_path):
+    class Boom(RuntimeError):
+        pass
+
+    with pytest.raises(Boom, match="kernel exploded"):
+        with evidence.Stage(tmp_path, "bench", params={"batch": 8}) as st:
+            st.metrics["partial"] = 1.0
+            raise Boom("kernel exploded")
+    rec = evidence.read_json(tmp_path / "stages" / "bench.json")
+    assert rec["status"] == "failed"
+    assert "Boom" in rec["error"] and "kernel exploded" in rec["error"]
+    assert rec["params"] == {"batch": 8}
+    assert os.listdir(tmp_path / "stages") == ["bench.json"]  # no temp file
+
+
+def test_stage_failure_overwrites_previous_ok(tmp_path):
+    with evidence.Stage(tmp_path, "parity-single-b1"):
+        pass
+    assert evidence.read_json(tmp_path / "stages" / "parity-single-b1.json")["status"] == "ok"
+    with pytest.raises(ValueError):
+        with evidence.Stage(tmp_path, "parity-single-b1"):
+            raise ValueError("second run failed")
+    rec = evidence.read_json(tmp_path / "stages" / "parity-single-b1.json")
+    assert rec["status"] == "failed" and "second run failed" in rec["error"]
+
+
+def test_stage_add_file_outside_dir_rejected(tmp_path):
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "outside.txt").write_text("x")
+    with pytest.raises(ValueError):
+        with evidence.Stage(tmp_path / "ev", "s") as st:
+            st.add_file(tmp_path / "outside.txt")
+    assert evidence.read_json(tmp_path / "ev" / "stages" / "s.json")["status"] == "failed"
+
+
+# --- manifest ------------------------------------------------------------------------------
+
+
+def test_write_manifest(tmp_path):
+    files = {
+        "config.yaml": b"campaign: tiny\n",
+        "oracle/hf.json": b'{"cases": []}\n',
+        "parity/single-b1.json": b"{}\n",
+        "stages/oracle.json": b'{"status": "ok"}\n',
+        "bench/deep/x.bin": bytes(range(256)) * 3,
+    }
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    (tmp_path / ".hidden").write_text("not evidence")
+    (tmp_path / "oracle" / ".hf.json.abc.tmp").write_text("half-written temp")
+    (tmp_path / "MANIFEST.json").write_text('{"stale": true}')  # a previous seal is not listed
+
+    p = evidence.write_manifest(tmp_path, {"evidence_id": "0123456-c89abcdef-r1", "campaign": "tiny"})
+    assert p == tmp_path / "MANIFEST.json"
+    m = evidence.read_json(p)
+    assert m["schema_version"] == evidence.SCHEMA_VERSION == 1
+    assert m["evidence_id"] == "0123456-c89abcdef-r1" and m["campaign"] == "tiny"
+    assert "stale" not in m
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", m["sealed_utc"])
+    assert set(m["files"]) == set(files)
+    for rel, data in files.items():
+        assert m["files"][rel] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert sorted(os.listdir(tmp_path)) == sorted([".hidden", "MANIFEST.json", "bench", "config.yaml", "oracle", "parity", "stages"])
+
+
+def test_manifest_detects_changed_file(tmp_path):
+    (tmp_path / "a.json").write_text("1")
+    first = evidence.read_json(evidence.write_manifest(tmp_path, {}))["files"]["a.json"]["sha256"]
+    (tmp_path / "a.json").write_text("2")
+    second = evidence.read_json(evidence.write_manifest(tmp_path, {}))["files"]["a.json"]["sha256"]
+    assert first != second

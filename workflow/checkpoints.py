@@ -1,0 +1,229 @@
+"""HF-format checkpoint directories: the synthetic writer, hub fetch, hashing and verification.
+
+A synthetic checkpoint is a seeded random init of the DeepSeek-V2 architecture, written with the
+original per-expert parameter names that hub checkpoints use, a byte-level BPE tokenizer that
+`AutoTokenizer` loads, and HF config files. Same seed, config and dtype give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from workflow.evidence import sha256_file, write_json, write_text
+
+WEIGHT_SUFFIXES = (".safetensors",)
+REQUIRED = ("config.json",)
+MAX_SHARD_BYTES = 4 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointInvalid(ValueError):
+    """A checkpoint directory is missing a file, or a file is corrupt or not the expected one."""
+
+
+# --- synthetic ------------------------------------------------------------------------------
+
+def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the real transformers model built on the meta device.
+
+    Packed expert tensors are unpacked to the per-expert names of the original checkpoints.
+    """
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    try:
+        cfg = DeepseekV2Config(**hf_config)
+    except (TypeError, ValueError) as e:
+        raise CheckpointInvalid(f"checkpoint.config is not a valid DeepseekV2Config: {e}") from e
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, (n, two_i, h) = name[: -len("gate_up_proj")], t.shape
+            for e in range(n):
+                shapes[f"{prefix}{e}.gate_proj.weight"] = (two_i // 2, h)
+                shapes[f"{prefix}{e}.up_proj.weight"] = (two_i // 2, h)
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix, (n, h, i) = name[: -len("down_proj")], t.shape
+            for e in range(n):
+                shapes[f"{prefix}{e}.down_proj.weight"] = (h, i)
+        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            shapes[name] = tuple(t.shape)
+    return shapes
+
+
+def _init(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    return torch.randn(shape, generator=gen) * std
+
+
+def _bytes_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode table (the ByteLevel pre-tokenizer's alphabet), in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
+    """A byte-level BPE tokenizer covering exactly `vocab_size` ids, every id decodable.
+
+    Merges are generated in a fixed order (frequent English characters first), so the file is
+    deterministic; bos/eos sit at the config's ids.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    specials = {bos_id: "<｜begin▁of▁sentence｜>", eos_id: "<｜end▁of▁sentence｜>"}
+    if max(specials) >= vocab_size or len(specials) != 2:
+        raise CheckpointInvalid(f"bos/eos ids {bos_id}/{eos_id} must differ and be < vocab_size {vocab_size}")
+    alphabet = _bytes_alphabet()
+    space = alphabet[ord(" ")]
+    order = [space] + list("etaoinshrdlucmfwypvbgkjqxz") + [c for c in alphabet if c not in "etaoinshrdlucmfwypvbgkjqxz" + space]
+    need = vocab_size - len(specials) - 256
+    if need < 0:
+        raise CheckpointInvalid(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs >= 258)")
+    merges: list[tuple[str, str]] = []
+    level = order
+    while len(merges) < need:
+        nxt = []
+        for a in level:
+            for b in order:
+                if len(merges) == need:
+                    break
+                merges.append((a, b))
+                nxt.append(a + b)
+        level = nxt
+    normal = alphabet + [a + b for a, b in merges]
+    vocab, it = {}, iter(normal)
+    for i in range(vocab_size):
+        vocab[specials.get(i) or next(it)] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens(list(specials.values()))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    bos = specials[bos_id]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    return tok, specials[bos_id], specials[eos_id]
+
+
+def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
+    cfg.setdefault("bos_token_id", 0)
+    cfg.setdefault("eos_token_id", 1)
+    cfg["torch_dtype"] = dtype
+    shapes = parameter_shapes(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: _init(name, shape, init_std, gen).to(DTYPES[dtype]).contiguous() for name, shape in sorted(shapes.items())}
+    _save_sharded(out, tensors)
+    write_json(out / "config.json", dict(sorted(cfg.items())))
+    write_json(out / "generation_config.json", {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False})
+    tok, bos, eos = build_tokenizer(cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    write_text(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
+    write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+        "add_bos_token": True, "model_max_length": cfg.get("max_position_embeddings", 2048),
+        "clean_up_tokenization_spaces": False,
+    })
+    return out
+
+
+def _save_sharded(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+# --- hub ------------------------------------------------------------------------------------
+
+def fetch_hub(out_dir: str | Path, repo_id: str, revision: str) -> Path:
+    """snapshot_download at a pinned commit (the HF cache and HF_HUB_OFFLINE are honoured), then
+    link the snapshot's files into `out_dir` so every campaign sees one plain directory."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snap = Path(snapshot_download(repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except LocalEntryNotFoundError as e:
+        raise CheckpointInvalid(
+            f"{repo_id}@{revision} is not in the local Hugging Face cache and the hub cannot be reached "
+            f"(offline mode or no network): download it once with network access, or use checkpoint.source: local"
+        ) from e
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(snap.iterdir()):
+        if f.is_file():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+# --- hashing and verification ---------------------------------------------------------------
+
+def describe(ckpt_dir: str | Path, expected: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per-file sha256 and size; checks that the directory is a loadable checkpoint first.
+
+    Raises CheckpointInvalid naming the file when a required file is missing, a safetensors file
+    is truncated or corrupt, a sharded index points at a missing file, or an expected hash differs.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointInvalid(f"checkpoint directory {root} does not exist")
+    for name in REQUIRED:
+        if not (root / name).is_file():
+            raise CheckpointInvalid(f"checkpoint file {root / name} is missing")
+    weights = sorted(p for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        raise CheckpointInvalid(f"no *.safetensors file in {root}")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        for fname in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            if not (root / fname).is_file():
+                raise CheckpointInvalid(f"checkpoint file {root / fname} (listed in {index.name}) is missing")
+    for w in weights:
+        try:
+            with safe_open(str(w), framework="pt") as f:
+                keys = list(f.keys())
+                if keys:  # reading the last tensor catches a truncated file
+                    f.get_slice(keys[-1])[...]
+        except Exception as e:  # safetensors raises several types for a bad header or data
+            raise CheckpointInvalid(f"checkpoint file {w} is corrupt or truncated: {e}") from e
+    files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(root.iterdir()) if p.is_file()}
+    for name, want in (expected or {}).items():
+        if name not in files:
+            raise CheckpointInvalid(f"checkpoint file {root / name} is missing (an expected sha256 is configured for it)")
+        if files[name]["sha256"] != want:
+            raise CheckpointInvalid(f"checkpoint file {root / name} has sha256 {files[name]['sha256']}, expected {want}")
+    return files
+
+
+def verify(ckpt_dir: str | Path, record: dict) -> None:
+    """Check a checkpoint directory against the files recorded in checkpoint.json."""
+    describe(ckpt_dir, {name: f["sha256"] for name, f in record["files"].items()})

@@ -1,0 +1,54 @@
+"""What the evidence ran on: package versions and the device, never host, user or home paths."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+import subprocess
+
+import torch
+
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "snakemake",
+            "mlflow-skinny", "numpy", "triton")
+
+
+def resolve_device(device: str) -> str:
+    """`auto` picks CUDA when present; `cuda` without a GPU is an error naming the fix."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was requested but no CUDA GPU is visible; use device: cpu or auto")
+    return device
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def describe(device: str) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "os": platform.system(),
+        "machine": platform.machine(),
+        "packages": {p: _version(p) for p in PACKAGES},
+        "device": device,
+        "cuda": torch.version.cuda,
+    }
+    if device == "cuda":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["driver"] = _driver()
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    return env

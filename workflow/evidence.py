@@ -1,0 +1,202 @@
+"""The evidence core: content-derived ids, hashing, atomic writes, stage records, the manifest.
+
+Everything here is plain files; nothing imports the engine or MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import yaml
+
+SCHEMA_VERSION = 1
+MANIFEST = "MANIFEST.json"
+STAGES_DIR = "stages"
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_sha256(ids: list[int]) -> str:
+    """sha256 of token ids as little-endian u32 (the evidence contract's token hash)."""
+    return sha256_bytes(b"".join(int(i).to_bytes(4, "little") for i in ids))
+
+
+def text_sha256(text: str) -> str:
+    return sha256_bytes(text.encode("utf-8"))
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def config_hash(config: dict) -> str:
+    return sha256_bytes(canonical_json(config))
+
+
+# --- atomic writes: temp file in the same directory, fsync, rename ---------------------------
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, obj) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | Path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_config(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+# --- ids -----------------------------------------------------------------------------------
+
+def _git(code_dir: Path, *args: str) -> bytes | None:
+    try:
+        return subprocess.run(["git", "-C", str(code_dir), *args], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_state(code_dir: str | Path) -> dict:
+    """Commit and a hash of the uncommitted diff (tracked changes plus untracked, non-ignored files)."""
+    code_dir = Path(code_dir)
+    commit = _git(code_dir, "rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    h = hashlib.sha256()
+    diff = _git(code_dir, "diff", "HEAD", "--binary") or b""
+    h.update(diff)
+    untracked = (_git(code_dir, "ls-files", "--others", "--exclude-standard", "-z") or b"").split(b"\0")
+    for name in sorted(n for n in untracked if n):
+        p = code_dir / name.decode()
+        if p.is_file():
+            h.update(name + b"\0" + sha256_file(p).encode())
+    dirty = h.hexdigest() if (diff or any(untracked)) else None
+    return {"commit": commit.decode().strip(), "dirty": dirty}
+
+
+def evidence_id(git: dict, config: dict, repeat: int) -> str:
+    """`<commit7>[-dirty<diff8>]-c<config8>-r<N>`: same code + same config -> same directory."""
+    commit = (git.get("commit") or "0" * 7)[:7]
+    dirty = f"-dirty{git['dirty'][:8]}" if git.get("dirty") else ""
+    return f"{commit}{dirty}-c{config_hash(config)[:8]}-r{repeat}"
+
+
+# --- stage records -------------------------------------------------------------------------
+
+class Stage:
+    """Context manager that records a stage's outcome in `stages/<name>.json`.
+
+    On success the record carries params, metrics, tags and the stage's files (MLflow logs them
+    later); on an exception it records `failed` with the error and re-raises, so a failed stage is
+    visible in the directory without any output that looks complete.
+    """
+
+    def __init__(self, evidence_dir: str | Path, name: str, params: dict | None = None):
+        self.dir = Path(evidence_dir)
+        self.name = name
+        self.params = dict(params or {})
+        self.metrics: dict[str, float] = {}
+        self.tags: dict[str, str] = {}
+        self.files: list[str] = []
+
+    def add_file(self, path: str | Path) -> None:
+        self.files.append(Path(path).resolve().relative_to(self.dir.resolve()).as_posix())
+
+    def write_json(self, relpath: str, obj) -> Path:
+        p = write_json(self.dir / relpath, obj)
+        self.add_file(p)
+        return p
+
+    def __enter__(self) -> "Stage":
+        self.started = utc_now()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        record = {
+            "name": self.name,
+            "status": "ok" if exc is None else "failed",
+            "started_utc": self.started,
+            "finished_utc": utc_now(),
+            "seconds": round(time.perf_counter() - self._t0, 3),
+            "params": self.params,
+            "metrics": self.metrics,
+            "tags": self.tags,
+            "files": sorted(set(self.files)),
+        }
+        if exc is not None:
+            record["error"] = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+        write_json(self.dir / STAGES_DIR / f"{self.name}.json", record)
+        return False
+
+
+def stage_records(evidence_dir: str | Path) -> list[dict]:
+    return [read_json(p) for p in sorted((Path(evidence_dir) / STAGES_DIR).glob("*.json"))]
+
+
+# --- manifest ------------------------------------------------------------------------------
+
+def list_files(evidence_dir: str | Path) -> list[str]:
+    root = Path(evidence_dir)
+    return sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+    )
+
+
+def file_table(evidence_dir: str | Path) -> dict[str, dict]:
+    root = Path(evidence_dir)
+    return {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size} for rel in list_files(root)}
+
+
+def write_manifest(evidence_dir: str | Path, fields: dict) -> Path:
+    """Seal the directory: the manifest is written last, atomically, over every other file."""
+    manifest = {"schema_version": SCHEMA_VERSION, **fields, "sealed_utc": utc_now(), "files": file_table(evidence_dir)}
+    return write_json(Path(evidence_dir) / MANIFEST, manifest)

@@ -1,0 +1,43 @@
+# Checkpoint fetch (cached, shared by evidence directories) and its record in the evidence.
+
+
+rule context:
+    output:
+        config=f"{E}/config.yaml",
+        env=f"{E}/env.json",
+    params:
+        config=CONFIG_JSON,
+    log:
+        f"{E}/logs/context.log",
+    benchmark:
+        f"{E}/logs/context.benchmark.tsv"
+    shell:
+        "{PY} -m workflow.stages.context --evidence {E} --config-json {params.config:q} 2>&1 | tee {log}"
+
+
+rule fetch_checkpoint:
+    output:
+        directory(CKPT),
+    params:
+        spec=json.dumps(config["checkpoint"], sort_keys=True),
+        dtype=config["dtype"],
+    log:
+        f"{CKPT}.log",
+    benchmark:
+        f"{CKPT}.benchmark.tsv"
+    shell:
+        "{PY} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --out {output} 2>&1 | tee {log}"
+
+
+rule record_checkpoint:
+    input:
+        ckpt=CKPT,
+        config=rules.context.output.config,
+    output:
+        f"{E}/checkpoint.json",
+    log:
+        f"{E}/logs/checkpoint.log",
+    benchmark:
+        f"{E}/logs/checkpoint.benchmark.tsv"
+    shell:
+        "{PY} -m workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {E} 2>&1 | tee {log}"

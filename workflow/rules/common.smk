@@ -1,0 +1,27 @@
+# Shared values: the evidence id is derived from the code (git) and the resolved config.
+import hashlib
+import json
+import sys
+
+from workflow.evidence import config_hash, evidence_id, git_state
+
+PY = sys.executable  # the stages run in the interpreter that runs Snakemake
+GIT = git_state(workflow.basedir)
+EID = evidence_id(GIT, config, config["repeat"])
+E = f"evidence/{config['campaign']}/{EID}"
+GATE = f".evident/gates/{config['campaign']}/{EID}.json"
+SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
+CONFIG_JSON = json.dumps(config, sort_keys=True)
+
+
+def checkpoint_dir():
+    """A local checkpoint is used in place; synthetic and hub ones live in a cache keyed by their spec."""
+    spec = config["checkpoint"]
+    if spec["source"] == "local":
+        return spec["path"]
+    key = config_hash({"checkpoint": spec, "dtype": config["dtype"]})[:12]
+    return f".evident/checkpoints/{spec['source']}-{key}"
+
+
+CKPT = checkpoint_dir()
+PARITY = [f"{E}/parity/{b}-b{n}.json" for b in config["parity"]["backends"] for n in config["parity"]["batch_sizes"]]

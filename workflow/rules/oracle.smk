@@ -1,0 +1,15 @@
+# The Hugging Face transformers oracle: greedy traces with per-step logit margins.
+
+
+rule oracle:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+    output:
+        f"{E}/oracle/hf.json",
+    log:
+        f"{E}/logs/oracle.log",
+    benchmark:
+        f"{E}/logs/oracle.benchmark.tsv"
+    shell:
+        "{PY} -m workflow.stages.oracle --checkpoint {input.ckpt} --evidence {E} 2>&1 | tee {log}"

@@ -1,0 +1,96 @@
+"""Stage `compare`: the parity verdict of every backend and batch size against the HF oracle.
+
+Order of checks: stored hashes must match their ids (else an error), rows of a batch must be
+identical (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`),
+first divergence at an oracle margin below the dtype's noise (`near_tie_divergence`), or above it
+(`engine_accuracy_gap`). The worst verdict over all cells is the campaign's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
+
+# Below these top-1/top-2 margins two correct implementations may pick different tokens.
+NEAR_TIE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1.25e-1}
+SEVERITY = ["all_token_text_exact", "near_tie_divergence", "engine_accuracy_gap", "batch_row_mismatch"]
+
+
+class HashMismatch(ValueError):
+    pass
+
+
+def check_hashes(where: str, entry: dict) -> None:
+    ids, text = entry["generated_ids"], entry["text"]
+    if entry["token_sha256"] != token_sha256(ids):
+        raise HashMismatch(f"{where}: stored token_sha256 does not match its ids")
+    if entry["text_sha256"] != text_sha256(text):
+        raise HashMismatch(f"{where}: stored text_sha256 does not match its text")
+
+
+def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | None]:
+    if case["prompt_ids"] != oracle["prompt_ids"]:
+        raise HashMismatch(f"case {case['name']}: engine and oracle prompt ids differ")
+    if not case["rows_identical"]:
+        m = case["first_row_mismatch"]
+        return "batch_row_mismatch", {"case": case["name"], **m}
+    want, got = oracle["generated_ids"], case["rows"][0]["generated_ids"]
+    if want == got and case["rows"][0]["text"] == oracle["text"]:
+        return "all_token_text_exact", None
+    step = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    margin = oracle["margins"][step] if step < len(oracle["margins"]) else None
+    div = {
+        "case": case["name"], "row": 0, "step": step,
+        "oracle_token": want[step] if step < len(want) else None,
+        "engine_token": got[step] if step < len(got) else None,
+        "oracle_margin": margin,
+    }
+    verdict = "near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"
+    return verdict, div
+
+
+def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
+    by_name = {c["name"]: c for c in oracle["cases"]}
+    for c in oracle["cases"]:
+        check_hashes(f"oracle case {c['name']}", c)
+    cells = []
+    for run in runs:
+        for case in run["cases"]:
+            for r, row in enumerate(case["rows"]):
+                check_hashes(f"{run['backend']}-b{run['batch']} case {case['name']} row {r}", row)
+            verdict, div = compare_case(by_name[case["name"]], case, near_tie)
+            cells.append({"backend": run["backend"], "batch": run["batch"], "case": case["name"],
+                          "verdict": verdict, "first_divergence": div})
+    worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))
+    return {
+        "verdict": worst["verdict"],
+        "first_divergence": worst["first_divergence"],
+        "near_tie_margin": near_tie,
+        "cells": cells,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("runs", nargs="+", type=Path, help="parity/<backend>-b<B>.json files")
+    args = ap.parse_args(argv)
+    config = read_config(args.evidence / "config.yaml")
+    near_tie = config["parity"].get("near_tie_margin") or NEAR_TIE[config["dtype"]]
+    try:
+        with Stage(args.evidence, "compare", params={"near_tie_margin": near_tie}) as st:
+            result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie)
+            st.write_json("parity/comparison.json", result)
+            st.tags["verdict"] = result["verdict"]
+            st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
+            st.metrics["cells"] = len(result["cells"])
+            print(f"[compare] verdict {result['verdict']} ({int(st.metrics['cells_exact'])}/{len(result['cells'])} cells exact)", flush=True)
+    except HashMismatch as e:
+        sys.exit(f"[compare] error: {e}")
+
+
+if __name__ == "__main__":
+    main()

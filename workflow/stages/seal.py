@@ -1,0 +1,65 @@
+"""Stage `seal`: SUMMARY.md, MLflow logging, then MANIFEST.json written last, atomically.
+
+Tracking never decides the evidence: if MLflow cannot be reached the directory is still sealed
+and the manifest records tracking as pending, for a later sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from workflow import tracking
+from workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
+from workflow.summary import render
+
+
+def _reason(exc: Exception) -> str:
+    # Keep the reason but never a URL, which may carry a host name or credentials.
+    return f"{type(exc).__name__}: " + re.sub(r"\w+://\S+", "<uri>", str(exc).splitlines()[0] if str(exc) else "")[:300]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--dirty", default="")
+    args = ap.parse_args(argv)
+    root = args.evidence
+    config = read_config(root / "config.yaml")
+    git = {"commit": args.commit or None, "dirty": args.dirty or None}
+    write_text(root / "SUMMARY.md", render(root, git))
+    records = stage_records(root)
+    verdict = next((r["tags"]["verdict"] for r in records if "verdict" in r["tags"]), None)
+
+    ids, track = None, {"status": "disabled"}
+    if config["tracking"]["enabled"]:
+        try:
+            ids = tracking.log_evidence(root)
+            track = {"status": "logged", **ids}
+            print(f"[seal] MLflow: experiment {ids['experiment_id']}, parent run {ids['parent_run_id']}", flush=True)
+        except Exception as e:  # any tracking failure leaves the evidence complete
+            track = {"status": "pending", "reason": _reason(e)}
+            print(f"[seal] MLflow unreachable, tracking pending: {track['reason']}", flush=True)
+
+    write_manifest(root, {
+        "evidence_id": root.name,
+        "campaign": config["campaign"],
+        "created_utc": min(r["started_utc"] for r in records),
+        "git": git,
+        "config_sha256": config_hash(config),
+        "stages": {r["name"]: r["status"] for r in records},
+        "verdict": verdict,
+        "tracking": track,
+    })
+    if ids:
+        try:
+            tracking.finish(root, ids)
+        except Exception as e:
+            print(f"[seal] MLflow: could not attach the manifest ({_reason(e)}); run a sync later", flush=True)
+    print(f"[seal] sealed {root} (verdict {verdict})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

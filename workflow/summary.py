@@ -1,0 +1,76 @@
+"""SUMMARY.md: the pull-request evidence section, built only from the directory's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workflow.evidence import read_config, read_json
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _divergence(d: dict | None) -> str:
+    if not d:
+        return "—"
+    if "oracle_token" in d:
+        margin = "n/a" if d["oracle_margin"] is None else f"{d['oracle_margin']:.3g}"
+        return f"step {d['step']}: oracle {d['oracle_token']} vs engine {d['engine_token']} (margin {margin})"
+    return f"row {d['row']} step {d['step']}: {d['row_token']} vs row 0 {d['row0_token']}"
+
+
+def render(evidence_dir: str | Path, git: dict) -> str:
+    root = Path(evidence_dir)
+    config = read_config(root / "config.yaml")
+    env = read_json(root / "env.json")
+    ckpt = read_json(root / "checkpoint.json")
+    oracle = read_json(root / "oracle/hf.json")
+    comparison = read_json(root / "parity/comparison.json")
+    pk = env["packages"]
+    commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted diff {git['dirty'][:8]}" if git.get("dirty") else "")
+    device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
+    out = [
+        f"## Evidence: `{config['campaign']}` / `{root.name}`",
+        "",
+        f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
+        f"transformers DeepseekV2 oracle, greedy decoding, {len(config['cases'])} cases.",
+        "",
+        _table(["what", "value"], [
+            ["commit", f"`{commit}`"],
+            ["device / dtype", f"{device} / {config['dtype']}"],
+            ["torch / transformers", f"{pk.get('torch')} / {pk.get('transformers')}"],
+            ["checkpoint", f"{ckpt['source']}" + (f" {ckpt['repo_id']}@{ckpt['revision'][:12]}" if ckpt.get("repo_id") else "")
+             + (f" (seed {ckpt['seed']})" if ckpt.get("seed") is not None else "")],
+        ] + [[f"`{name}`", f"sha256 `{f['sha256'][:16]}…`, {f['size']:,} B"]
+             for name, f in ckpt["files"].items() if name.endswith(".safetensors")]),
+        "",
+        "### Oracle traces",
+        "",
+        _table(["case", "prompt tokens", "generated", "token_sha256", "text_sha256", "min top-1/top-2 margin"], [
+            [c["name"], len(c["prompt_ids"]), len(c["generated_ids"]), f"`{c['token_sha256'][:16]}`",
+             f"`{c['text_sha256'][:16]}`", f"{min(c['margins']):.3g}" if c["margins"] else "—"]
+            for c in oracle["cases"]
+        ]),
+        "",
+        f"### Parity (near-tie margin {comparison['near_tie_margin']:g})",
+        "",
+        _table(["backend", "batch", "case", "verdict", "first divergence"], [
+            [c["backend"], c["batch"], c["case"], f"`{c['verdict']}`", _divergence(c["first_divergence"])]
+            for c in comparison["cells"]
+        ]),
+        "",
+        "### Claim boundary",
+        "",
+        f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
+        f"{'equal' if comparison['verdict'] == 'all_token_text_exact' else 'compare as above with'} the transformers "
+        f"implementation for every listed case and batch size ({', '.join(map(str, config['parity']['batch_sizes']))}), "
+        f"on {env['device']} in {config['dtype']}.",
+        "- Does not show: quality on trained weights"
+        + (" (the checkpoint is random: synthetic weights)" if ckpt["source"] == "synthetic" else "")
+        + ", behaviour on other prompts, lengths, dtypes or devices, or any speed figure.",
+        "",
+    ]
+    return "\n".join(out)
