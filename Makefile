@@ -8,7 +8,6 @@ CORES ?= all
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 
 # Reinstall only when the project's metadata changes, so a second `make run` costs seconds.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python

@@ -1,16 +1,19 @@
 # evident: one target runs a campaign and leaves a sealed evidence directory.
 #   snakemake -c2                                   # the default campaign (config/config.yaml)
 #   snakemake -c2 --configfile config/campaigns/X.yaml
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
+
+from workflow.campaign import validate_campaign
 
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+# Relative to this file, so `snakemake -s PATH/Snakefile -d WORKDIR` finds it too.
+configfile: f"{workflow.basedir}/config/config.yaml"
 
 
 # An unknown key or a bad value stops the run here, before any work, naming the key.
-validate(config, "config/schema.yaml", set_default=True)
+validate_campaign(config, f"{workflow.basedir}/config/schema.yaml")
 
 
 include: "workflow/rules/common.smk"

@@ -15,6 +15,7 @@ import yaml
 from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.stages import compare as cmp
 from workflow.stages.compare import HashMismatch, check_hashes, compare
+from workflow.stages.parity import first_row_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.1
@@ -46,16 +47,6 @@ def oracle(*cases: dict) -> dict:
 def row(ids: list[int]) -> dict:
     text = _text(ids)
     return {"generated_ids": list(ids), "text": text, "token_sha256": token_sha256(ids), "text_sha256": text_sha256(text)}
-
-
-def first_row_mismatch(rows: list[list[int]]) -> dict | None:
-    # Mirrors the parity stage's record (workflow/stages/parity.py).
-    for r, ids in enumerate(rows[1:], 1):
-        if ids != rows[0]:
-            step = next((i for i, (a, b) in enumerate(zip(rows[0], ids)) if a != b), min(len(ids), len(rows[0])))
-            return {"row": r, "step": step, "row0_token": rows[0][step] if step < len(rows[0]) else None,
-                    "row_token": ids[step] if step < len(ids) else None}
-    return None
 
 
 def run_case(name: str, rows: list[list[int]], prompt_ids=PROMPT) -> dict:
@@ -319,8 +310,6 @@ def test_cli_hash_mismatch_fails_without_comparison(tmp_path):
     assert st["status"] == "failed" and "HashMismatch" in st["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: compare.main uses `near_tie_margin or default`, so an explicit 0 "
-                                       "(allowed by the schema: minimum 0) silently becomes the dtype's default")
 def test_cli_zero_margin_is_honoured(tmp_path):
     o = oracle(oracle_case("greeting", IDS_A, [1.0, 5e-5, 1.0, 1.0, 1.0, 1.0]))
     r = run(1, run_case("greeting", [IDS_A[:1] + [3, 3, 3, 3, 3]]))
@@ -330,3 +319,9 @@ def test_cli_zero_margin_is_honoured(tmp_path):
     res = read_json(ev / "parity" / "comparison.json")
     assert res["near_tie_margin"] == 0
     assert res["verdict"] == "engine_accuracy_gap"
+
+
+def test_run_missing_an_oracle_case_is_an_error():
+    o = oracle(oracle_case("greeting", IDS_A, [1.0] * len(IDS_A)), oracle_case("other", IDS_A, [1.0] * len(IDS_A)))
+    with pytest.raises(HashMismatch, match="differ from the oracle's"):
+        compare(o, [run(1, run_case("greeting", [IDS_A]))], 1e-4)

@@ -181,6 +181,7 @@ def fetch_hub(out_dir: str | Path, repo_id: str, revision: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for f in sorted(snap.iterdir()):
         if f.is_file():
+            (out / f.name).unlink(missing_ok=True)
             (out / f.name).symlink_to(f.resolve())
     return out
 

@@ -6,19 +6,22 @@ rule context:
         config=f"{E}/config.yaml",
         env=f"{E}/env.json",
     params:
+        py=PY,
+        ev=evidence_dir,
         config=CONFIG_JSON,
     log:
         f"{E}/logs/context.log",
     benchmark:
         f"{E}/logs/context.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.context --evidence {E} --config-json {params.config:q} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"
 
 
 rule fetch_checkpoint:
     output:
         directory(CKPT),
     params:
+        py=PY,
         spec=json.dumps(config["checkpoint"], sort_keys=True),
         dtype=config["dtype"],
     log:
@@ -26,7 +29,7 @@ rule fetch_checkpoint:
     benchmark:
         f"{CKPT}.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --out {output} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --out {output} 2>&1 | tee {log}"
 
 
 rule record_checkpoint:
@@ -35,9 +38,12 @@ rule record_checkpoint:
         config=rules.context.output.config,
     output:
         f"{E}/checkpoint.json",
+    params:
+        py=PY,
+        ev=evidence_dir,
     log:
         f"{E}/logs/checkpoint.log",
     benchmark:
         f"{E}/logs/checkpoint.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {E} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

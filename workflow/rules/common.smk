@@ -25,3 +25,13 @@ def checkpoint_dir():
 
 CKPT = checkpoint_dir()
 PARITY = [f"{E}/parity/{b}-b{n}.json" for b in config["parity"]["backends"] for n in config["parity"]["batch_sizes"]]
+
+
+def evidence_dir(wildcards):
+    """The evidence directory, as a param function (a hard-coded prefix of outputs is a lint)."""
+    return E
+
+
+# `snakemake --lint` asks for a conda environment or container per rule. Deliberately none: the
+# project's own virtual environment (`make run`) is the software environment, recorded in
+# env.json, and the lent GPU machines have neither conda nor a container runtime.

@@ -7,9 +7,12 @@ rule oracle:
         record=rules.record_checkpoint.output,
     output:
         f"{E}/oracle/hf.json",
+    params:
+        py=PY,
+        ev=evidence_dir,
     log:
         f"{E}/logs/oracle.log",
     benchmark:
         f"{E}/logs/oracle.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.oracle --checkpoint {input.ckpt} --evidence {E} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.oracle --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

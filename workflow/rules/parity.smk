@@ -10,13 +10,15 @@ rule parity:
     wildcard_constraints:
         backend="single",
     params:
+        py=PY,
+        ev=evidence_dir,
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
         f"{E}/logs/parity-{{backend}}.log",
     benchmark:
         f"{E}/logs/parity-{{backend}}.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {E} "
+        "{params.py} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 
@@ -26,9 +28,12 @@ rule compare:
         runs=PARITY,
     output:
         f"{E}/parity/comparison.json",
+    params:
+        py=PY,
+        ev=evidence_dir,
     log:
         f"{E}/logs/compare.log",
     benchmark:
         f"{E}/logs/compare.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.compare --evidence {E} {input.runs} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.compare --evidence {params.ev} {input.runs} 2>&1 | tee {log}"

@@ -11,6 +11,8 @@ rule seal:
         summary=f"{E}/SUMMARY.md",
         manifest=f"{E}/MANIFEST.json",
     params:
+        py=PY,
+        ev=evidence_dir,
         commit=GIT["commit"] or "",
         dirty=GIT["dirty"] or "",
     log:
@@ -18,7 +20,7 @@ rule seal:
     benchmark:
         f"{SEAL_LOGS}/seal.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.seal --evidence {E} --commit '{params.commit}' --dirty '{params.dirty}' 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.seal --evidence {params.ev} --commit '{params.commit}' --dirty '{params.dirty}' 2>&1 | tee {log}"
 
 
 rule gate:
@@ -26,9 +28,12 @@ rule gate:
         rules.seal.output.manifest,
     output:
         GATE,
+    params:
+        py=PY,
+        ev=evidence_dir,
     log:
         f"{SEAL_LOGS}/gate.log",
     benchmark:
         f"{SEAL_LOGS}/gate.benchmark.tsv"
     shell:
-        "{PY} -m workflow.stages.gate --evidence {E} --out {output} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.gate --evidence {params.ev} --out {output} 2>&1 | tee {log}"

@@ -58,6 +58,9 @@ def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
         check_hashes(f"oracle case {c['name']}", c)
     cells = []
     for run in runs:
+        names = sorted(c["name"] for c in run["cases"])
+        if names != sorted(by_name):
+            raise HashMismatch(f"{run['backend']}-b{run['batch']}: cases {names} differ from the oracle's {sorted(by_name)}")
         for case in run["cases"]:
             for r, row in enumerate(case["rows"]):
                 check_hashes(f"{run['backend']}-b{run['batch']} case {case['name']} row {r}", row)
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="parity/<backend>-b<B>.json files")
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
-    near_tie = config["parity"].get("near_tie_margin") or NEAR_TIE[config["dtype"]]
+    margin = config["parity"].get("near_tie_margin")
+    near_tie = NEAR_TIE[config["dtype"]] if margin is None else margin
     try:
         with Stage(args.evidence, "compare", params={"near_tie_margin": near_tie}) as st:
             result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie)

@@ -7,7 +7,6 @@ and the manifest records tracking as pending, for a later sync.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from workflow import tracking
@@ -16,8 +15,9 @@ from workflow.summary import render
 
 
 def _reason(exc: Exception) -> str:
-    # Keep the reason but never a URL, which may carry a host name or credentials.
-    return f"{type(exc).__name__}: " + re.sub(r"\w+://\S+", "<uri>", str(exc).splitlines()[0] if str(exc) else "")[:300]
+    # The evidence gets the kind of failure only: messages carry URLs, host names or credentials.
+    # The whole message goes to the seal log, which lives outside the evidence directory.
+    return f"{type(exc).__name__}: the tracking store could not be reached or written (details in the seal log)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[seal] MLflow: experiment {ids['experiment_id']}, parent run {ids['parent_run_id']}", flush=True)
         except Exception as e:  # any tracking failure leaves the evidence complete
             track = {"status": "pending", "reason": _reason(e)}
-            print(f"[seal] MLflow unreachable, tracking pending: {track['reason']}", flush=True)
+            print(f"[seal] MLflow unreachable, tracking pending: {type(e).__name__}: {e}", flush=True)
 
     write_manifest(root, {
         "evidence_id": root.name,
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             tracking.finish(root, ids)
         except Exception as e:
-            print(f"[seal] MLflow: could not attach the manifest ({_reason(e)}); run a sync later", flush=True)
+            print(f"[seal] MLflow: could not attach the manifest ({type(e).__name__}: {e}); run a sync later", flush=True)
     print(f"[seal] sealed {root} (verdict {verdict})", flush=True)
 
 
