@@ -20,6 +20,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/checkpoint.smk"
 include: "workflow/rules/oracle.smk"
 include: "workflow/rules/parity.smk"
+include: "workflow/rules/bench.smk"
 include: "workflow/rules/seal.smk"
 
 

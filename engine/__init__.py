@@ -4,6 +4,8 @@ config.py      ModelArgs: the model shape, read from an HF config.json
 model.py       Transformer (MLA attention over a compressed latent KV cache, MoE) and LatentCache
 checkpoint.py  load_model(): HF-format safetensors -> Transformer; CheckpointError
 generate.py    greedy batched generation: generate() -> Generation
+parallel.py    expert parallelism over torchrun ranks: ExpertParallel (host-staged | collective combine),
+               init_from_env()
 
 Only torch, safetensors and the standard library are used here.
 """

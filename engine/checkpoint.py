@@ -13,16 +13,22 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
 
 from .config import ModelArgs
 from .model import Transformer
+from .parallel import ExpertParallel
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _PACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_ROUTED = re.compile(r"^(?:model\.)?layers\.\d+\.mlp\.experts\.(\d+)\.")  # one routed expert's tensor
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class CheckpointError(ValueError):
@@ -51,8 +57,13 @@ def _shard_map(ckpt_dir: str) -> dict[str, list[str] | None]:
     raise CheckpointError(f"{ckpt_dir}: no {SINGLE} or {INDEX} found")
 
 
-def read_tensors(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of a checkpoint directory -> ({HF name: tensor}, {HF name: file})."""
+def read_tensors(ckpt_dir: str, skip: Callable[[str], bool] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of a checkpoint directory -> ({HF name: tensor}, {HF name: file}).
+
+    Names for which ``skip(name)`` is true are not read: they come back as ``meta`` tensors of the stored
+    shape and dtype, so they can still be checked by name, shape and dtype.
+    """
     tensors, where = {}, {}
     for path, promised in _shard_map(os.fspath(ckpt_dir)).items():
         try:
@@ -64,12 +75,18 @@ def read_tensors(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, str]
                 for name in names:
                     if name in where:
                         raise CheckpointError(f"{path}: tensor {name!r} also present in {where[name]}")
-                    tensors[name], where[name] = f.get_tensor(name), path
+                    tensors[name] = _meta(f, name) if skip and skip(name) else f.get_tensor(name)
+                    where[name] = path
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises SafetensorError / OSError / ValueError on corrupt files
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
     return tensors, where
+
+
+def _meta(f, name: str) -> torch.Tensor:
+    sl = f.get_slice(name)
+    return torch.empty(sl.get_shape(), dtype=_ST_DTYPES.get(sl.get_dtype(), torch.uint8), device="meta")
 
 
 def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], args: ModelArgs):
@@ -102,22 +119,36 @@ def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], ar
     return out, src
 
 
-def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build a Transformer from ``ckpt_dir`` (config.json + safetensors). Router gates stay fp32."""
+def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
+               ep: ExpertParallel | None = None) -> Transformer:
+    """Build a Transformer from ``ckpt_dir`` (config.json + safetensors). Router gates stay fp32.
+
+    With ``ep`` only this rank's routed experts (``ep.experts(n_routed_experts)``) are read and instantiated;
+    the other ranks' expert tensors are checked by name, shape and dtype but not read (packed expert tensors
+    are read whole and sliced). Everything else is replicated.
+    """
     ckpt_dir = os.fspath(ckpt_dir)
     args = ModelArgs.load(ckpt_dir)
     with torch.device("meta"):
-        model = Transformer(args)
-    expected = {k: v for k, v in model.state_dict().items()
+        model = Transformer(args, ep)
+        full = model if ep is None else Transformer(args)  # the whole checkpoint is still validated
+    expected = {k: v for k, v in full.state_dict().items()
                 if not (args.tie_word_embeddings and k == "lm_head.weight")}
-    tensors, where = read_tensors(ckpt_dir)
+    local = model.state_dict().keys()
+    shard = None if ep is None else ep.experts(args.n_routed_experts)
+
+    def elsewhere(name: str) -> bool:  # another rank's routed expert: not read
+        m = _ROUTED.match(name)
+        return m is not None and int(m.group(1)) not in shard
+
+    tensors, where = read_tensors(ckpt_dir, None if ep is None else elsewhere)
     sd, src = _to_engine_names(tensors, where, args)
     files = ", ".join(sorted(set(where.values()))) or ckpt_dir
     for k in expected:
         if k not in sd:
             hf = k if k == "lm_head.weight" else "model." + k
             raise CheckpointError(f"{files}: missing tensor {hf!r}")
-    for k, t in sd.items():
+    for k, t in list(sd.items()):
         file, name = src[k]
         if k not in expected:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}")
@@ -126,6 +157,9 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32) -> Tr
                 f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(expected[k].shape)}")
         if not t.is_floating_point():
             raise CheckpointError(f"{file}: tensor {name!r} has non-float dtype {t.dtype}")
+        if k not in local:  # another rank's routed expert
+            del sd[k]
+            continue
         # copy=True: fresh, allocator-aligned storage, so numerics do not depend on the file's tensor offsets
         sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith("mlp.gate.weight") else dtype, copy=True)
     model.load_state_dict(sd, strict=False, assign=True)

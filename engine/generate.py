@@ -1,9 +1,11 @@
 """Greedy batched generation over the engine's Transformer.
 
 Each prompt is prefilled alone (one row of the cache), then all unfinished rows decode together,
-one batched forward per step. Usage::
+one batched forward per step. Under expert parallelism every rank calls ``generate`` in lockstep with the same
+prompts; the combined logits are identical on every rank, so every rank picks the same tokens. Usage::
 
     python -m engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
+    torchrun --nproc_per_node 2 -m engine.generate --backend host-staged --checkpoint DIR --prompt-ids 1,2,3
 """
 from __future__ import annotations
 
@@ -105,12 +107,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eos-token-id", type=int, action="append", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--backend", default="single", choices=["single", "host-staged", "collective"],
+                    help="single device, or expert parallel (launch with torchrun --nproc_per_node N; rank 0 prints)")
     a = ap.parse_args(argv)
-    model = load_model(a.checkpoint, device=a.device, dtype=getattr(torch, a.dtype))
     prompts = [[int(x) for x in p.split(",") if x.strip()] for p in a.prompt_ids]
-    gen = generate(model, prompts, a.max_new_tokens, a.eos_token_id)
-    for row in gen.tokens:
-        print(",".join(map(str, row)))
+    ep = None
+    if a.backend != "single":
+        from .parallel import init_from_env
+
+        try:
+            ep = init_from_env(a.backend, a.device)
+        except RuntimeError as e:
+            ap.error(str(e))
+    try:
+        model = load_model(a.checkpoint, device=a.device if ep is None else ep.device, dtype=getattr(torch, a.dtype),
+                           ep=ep)
+        gen = generate(model, prompts, a.max_new_tokens, a.eos_token_id)
+    finally:
+        if ep is not None:
+            ep.close()
+    if ep is None or ep.rank == 0:
+        for row in gen.tokens:
+            print(",".join(map(str, row)))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs, yarn_get_mscale
+from .parallel import ExpertParallel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,14 +186,23 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Routed experts (greedy top-k) plus shared experts.
+
+    With ``ep`` (expert parallel) only this rank's shard of the routed experts exists (``experts`` is keyed by
+    the global expert id, so parameter names stay ``experts.{e}.*``); the router is replicated, the local
+    experts' contributions are summed into an fp32 partial and ``ep.combine`` adds up the ranks' partials.
+    """
+
+    def __init__(self, args: ModelArgs, ep: ExpertParallel | None = None):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = bool(args.norm_topk_prob)
         self.routed_scaling_factor = args.routed_scaling_factor
         self.gate = Gate(args.n_routed_experts, args.hidden_size)
-        self.experts = nn.ModuleList(
-            MLP(args.hidden_size, args.moe_intermediate_size, args.mlp_bias) for _ in range(args.n_routed_experts))
+        self.ep = ep
+        local = range(args.n_routed_experts) if ep is None else ep.experts(args.n_routed_experts)
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(args.hidden_size, args.moe_intermediate_size, args.mlp_bias) for e in local})
         n_shared = args.n_shared_experts or 0
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * n_shared, args.mlp_bias)
                                if n_shared > 0 else None)
@@ -214,11 +224,16 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.route(flat)
-        out = torch.zeros_like(flat)
+        # single device: accumulate in the model dtype (as HF); expert parallel: an fp32 partial per rank
+        out = torch.zeros_like(flat, dtype=flat.dtype if self.ep is None else torch.float32)
         for e in torch.unique(idx).tolist():  # ascending expert order, as HF
+            if str(e) not in self.experts:
+                continue  # another rank's expert
             tok, slot = torch.where(idx == e)
-            y = self.experts[e](flat[tok]) * weights[tok, slot, None]
+            y = self.experts[str(e)](flat[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
+        if self.ep is not None:
+            out = self.ep.combine(out).to(x.dtype)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -226,10 +241,10 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    def __init__(self, args: ModelArgs, layer_idx: int, ep: ExpertParallel | None = None):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MoE(args) if args.is_moe_layer(layer_idx) else MLP(
+        self.mlp = MoE(args, ep) if args.is_moe_layer(layer_idx) else MLP(
             args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -240,12 +255,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, ep: ExpertParallel | None = None):
         super().__init__()
         args.validate()
-        self.args = args
+        self.args, self.ep = args, ep
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(args, i, ep) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:

@@ -49,8 +49,11 @@ def _files(d: Path) -> dict[str, bytes]:
 
 def test_synthetic_files(synthetic, tiny_config):
     assert sorted(p.name for p in synthetic.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "config.json", "evident_synthetic.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
     ]
+    meta = json.loads((synthetic / "evident_synthetic.json").read_text())
+    assert meta["init_device"] == "cpu" and meta["dtype"] == DTYPE
     cfg = json.loads((synthetic / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v2"
     assert cfg["torch_dtype"] == DTYPE

@@ -325,3 +325,23 @@ def test_run_missing_an_oracle_case_is_an_error():
     o = oracle(oracle_case("greeting", IDS_A, [1.0] * len(IDS_A)), oracle_case("other", IDS_A, [1.0] * len(IDS_A)))
     with pytest.raises(HashMismatch, match="differ from the oracle's"):
         compare(o, [run(1, run_case("greeting", [IDS_A]))], 1e-4)
+
+
+def test_transports_that_disagree_are_a_transport_regression():
+    o = oracle(oracle_case("greeting", IDS_A, [1.0] * len(IDS_A)))
+    other = IDS_A[:3] + [99] + IDS_A[4:]
+    runs = [run(2, run_case("greeting", [IDS_A, IDS_A]), backend="host-staged"),
+            run(2, run_case("greeting", [other, other]), backend="collective")]
+    result = compare(o, runs, 1e-4)
+    assert result["verdict"] == "transport_regression"
+    cell = next(c for c in result["cells"] if c["backend"] == "host-staged vs collective")
+    assert cell["first_divergence"] == {"case": "greeting", "row": 0, "step": 3,
+                                        "host_staged_token": IDS_A[3], "collective_token": 99}
+
+
+def test_agreeing_transports_add_an_exact_cell():
+    o = oracle(oracle_case("greeting", IDS_A, [1.0] * len(IDS_A)))
+    runs = [run(1, run_case("greeting", [IDS_A]), backend=b) for b in ("single", "host-staged", "collective")]
+    result = compare(o, runs, 1e-4)
+    assert result["verdict"] == "all_token_text_exact"
+    assert [c["verdict"] for c in result["cells"] if c["backend"] == "host-staged vs collective"] == ["all_token_text_exact"]

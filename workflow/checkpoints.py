@@ -14,11 +14,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workflow.evidence import sha256_file, write_json, write_text
+from workflow.evidence import read_json, sha256_file, write_json, write_text
 
 WEIGHT_SUFFIXES = (".safetensors",)
 REQUIRED = ("config.json",)
 MAX_SHARD_BYTES = 4 << 30
+# Hashes of large files are reused while a file's size, mtime and inode are unchanged (as git's index
+# does): a 31 GB checkpoint is hashed once, not by every stage that verifies it.
+HASH_CACHE = Path(".evident/sha256-cache.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,7 +63,7 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
 def _init(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    return torch.randn(shape, generator=gen) * std
+    return (torch.randn(shape, generator=gen, device=gen.device) * std).cpu()
 
 
 def _bytes_alphabet() -> list[str]:
@@ -117,7 +120,10 @@ def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
     return tok, specials[bos_id], specials[eos_id]
 
 
-def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str) -> Path:
+def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str,
+                    init_device: str = "cpu") -> Path:
+    """Seeded init. `init_device: cuda` draws on the GPU (seconds instead of minutes for 15.7B
+    parameters); the bytes are then reproducible on the same GPU model and torch version."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
@@ -125,9 +131,11 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
     cfg.setdefault("eos_token_id", 1)
     cfg["torch_dtype"] = dtype
     shapes = parameter_shapes(cfg)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=init_device).manual_seed(seed)
     tensors = {name: _init(name, shape, init_std, gen).to(DTYPES[dtype]).contiguous() for name, shape in sorted(shapes.items())}
     _save_sharded(out, tensors)
+    write_json(out / "evident_synthetic.json", {"seed": seed, "init_std": init_std, "dtype": dtype,
+                                                "init_device": init_device, "torch": torch.__version__})
     write_json(out / "config.json", dict(sorted(cfg.items())))
     write_json(out / "generation_config.json", {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False})
     tok, bos, eos = build_tokenizer(cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
@@ -216,13 +224,30 @@ def describe(ckpt_dir: str | Path, expected: dict[str, str] | None = None) -> di
                     f.get_slice(keys[-1])[...]
         except Exception as e:  # safetensors raises several types for a bad header or data
             raise CheckpointInvalid(f"checkpoint file {w} is corrupt or truncated: {e}") from e
-    files = {p.name: {"sha256": sha256_file(p), "size": p.stat().st_size} for p in sorted(root.iterdir()) if p.is_file()}
+    files = {p.name: {"sha256": cached_sha256(p), "size": p.stat().st_size} for p in sorted(root.iterdir()) if p.is_file()}
     for name, want in (expected or {}).items():
         if name not in files:
             raise CheckpointInvalid(f"checkpoint file {root / name} is missing (an expected sha256 is configured for it)")
         if files[name]["sha256"] != want:
             raise CheckpointInvalid(f"checkpoint file {root / name} has sha256 {files[name]['sha256']}, expected {want}")
     return files
+
+
+def cached_sha256(path: Path) -> str:
+    st = path.stat()
+    key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
+    if st.st_size < (64 << 20):
+        return sha256_file(path)
+    try:
+        cache = read_json(HASH_CACHE)
+    except (OSError, ValueError):
+        cache = {}
+    if cache.get(key, {}).get("stamp") == stamp:
+        return cache[key]["sha256"]
+    digest = sha256_file(path)
+    cache[key] = {"stamp": stamp, "sha256": digest}
+    write_json(HASH_CACHE, cache)
+    return digest
 
 
 def verify(ckpt_dir: str | Path, record: dict) -> None:

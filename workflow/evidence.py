@@ -137,7 +137,8 @@ class Stage:
     visible in the directory without any output that looks complete.
     """
 
-    def __init__(self, evidence_dir: str | Path, name: str, params: dict | None = None):
+    def __init__(self, evidence_dir: str | Path, name: str, params: dict | None = None, primary: bool = True):
+        self.primary = primary  # False on EP ranks other than 0: they compute but write nothing
         self.dir = Path(evidence_dir)
         self.name = name
         self.params = dict(params or {})
@@ -149,8 +150,10 @@ class Stage:
         self.files.append(Path(path).resolve().relative_to(self.dir.resolve()).as_posix())
 
     def write_json(self, relpath: str, obj) -> Path:
-        p = write_json(self.dir / relpath, obj)
-        self.add_file(p)
+        p = self.dir / relpath
+        if self.primary:
+            write_json(p, obj)
+            self.add_file(p)
         return p
 
     def __enter__(self) -> "Stage":
@@ -159,6 +162,8 @@ class Stage:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.primary:
+            return False
         record = {
             "name": self.name,
             "status": "ok" if exc is None else "failed",

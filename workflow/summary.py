@@ -16,6 +16,8 @@ def _table(header: list[str], rows: list[list]) -> str:
 def _divergence(d: dict | None) -> str:
     if not d:
         return "—"
+    if "collective_token" in d:
+        return f"step {d['step']}: host-staged {d['host_staged_token']} vs collective {d['collective_token']}"
     if "oracle_token" in d:
         margin = "n/a" if d["oracle_margin"] is None else f"{d['oracle_margin']:.3g}"
         return f"step {d['step']}: oracle {d['oracle_token']} vs engine {d['engine_token']} (margin {margin})"
@@ -62,6 +64,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
             for c in comparison["cells"]
         ]),
         "",
+        *bench_section(root),
         "### Claim boundary",
         "",
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
@@ -70,7 +73,36 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         f"on {env['device']} in {config['dtype']}.",
         "- Does not show: quality on trained weights"
         + (" (the checkpoint is random: synthetic weights)" if ckpt["source"] == "synthetic" else "")
-        + ", behaviour on other prompts, lengths, dtypes or devices, or any speed figure.",
+        + ", behaviour on other prompts, lengths, dtypes or devices.",
+        f"- Speed figures hold for this device ({device}) and this benchmark contract only: one fixed prompt "
+        f"copied to every row (so rows route to the same experts), EOS ignored; noisy cells make no claim.",
         "",
     ]
     return "\n".join(out)
+
+
+def bench_section(root: Path) -> list[str]:
+    if not (root / "bench/summary.csv").is_file():
+        return []
+    import pandas as pd
+
+    from workflow.benchstats import markdown_table
+
+    cfg = read_config(root / "config.yaml")["bench"]
+    out = [
+        f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
+        f"runs per cell; TPOT = steady decode interval after the first)",
+        "",
+        markdown_table(pd.read_csv(root / "bench/summary.csv")),
+        "",
+        "![decode tok/s and TPOT against batch](plots/bench.png)",
+        "",
+    ]
+    baseline = read_json(root / "bench/baseline.json")
+    if baseline["baseline"]:
+        out += [f"Against baseline `{baseline['baseline']}`:", "", _table(
+            ["backend", "batch", "claim", "TPOT p50 change", "reason"],
+            [[c["backend"], c["batch"], c["claim"],
+              "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
+             for c in baseline["cells"]]), ""]
+    return out

@@ -24,12 +24,13 @@ rule fetch_checkpoint:
         py=PY,
         spec=json.dumps(config["checkpoint"], sort_keys=True),
         dtype=config["dtype"],
+        device=config["device"],
     log:
         f"{CKPT}.log",
     benchmark:
         f"{CKPT}.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --out {output} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --device {params.device} --out {output} 2>&1 | tee {log}"
 
 
 rule record_checkpoint:

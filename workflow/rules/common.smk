@@ -19,12 +19,24 @@ def checkpoint_dir():
     spec = config["checkpoint"]
     if spec["source"] == "local":
         return spec["path"]
-    key = config_hash({"checkpoint": spec, "dtype": config["dtype"]})[:12]
+    key = config_hash({"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]})[:12]
     return f".evident/checkpoints/{spec['source']}-{key}"
 
 
 CKPT = checkpoint_dir()
 PARITY = [f"{E}/parity/{b}-b{n}.json" for b in config["parity"]["backends"] for n in config["parity"]["batch_sizes"]]
+BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
+
+
+def launcher(wildcards, threads):
+    """The engine's expert-parallel backends run as torchrun ranks; `single` is one process.
+
+    The job's threads are shared among the ranks: oversubscribed cores make gloo crawl.
+    """
+    if wildcards.backend == "single":
+        return PY
+    n = config["parallel"]["ep_size"]
+    return f"OMP_NUM_THREADS={max(1, threads // n)} {PY} -m torch.distributed.run --standalone --nproc-per-node {n}"
 
 
 def evidence_dir(wildcards):

@@ -8,9 +8,9 @@ rule parity:
     output:
         [f"{E}/parity/{{backend}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
-        backend="single",
+        backend="single|host-staged|collective",
     params:
-        py=PY,
+        launch=launcher,
         ev=evidence_dir,
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
@@ -18,7 +18,7 @@ rule parity:
     benchmark:
         f"{E}/logs/parity-{{backend}}.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
+        "{params.launch} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 

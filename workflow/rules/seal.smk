@@ -7,6 +7,7 @@ rule seal:
         rules.record_checkpoint.output,
         rules.oracle.output,
         rules.compare.output,
+        rules.bench_report.output,
     output:
         summary=f"{E}/SUMMARY.md",
         manifest=f"{E}/MANIFEST.json",

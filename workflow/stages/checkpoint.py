@@ -12,15 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from workflow import checkpoints
+from workflow import checkpoints, environment
 from workflow.evidence import Stage, read_config
 
 
-def fetch(ckpt_dir: Path, spec: dict, dtype: str) -> None:
+def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
     t0 = time.perf_counter()
     if spec["source"] == "synthetic":
         print(f"[checkpoint] writing synthetic checkpoint (seed {spec['seed']}, {dtype}) to {ckpt_dir}", flush=True)
-        checkpoints.write_synthetic(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype)
+        checkpoints.write_synthetic(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype,
+                                    init_device=environment.resolve_device(device))
     elif spec["source"] == "hub":
         print(f"[checkpoint] fetching {spec['repo_id']}@{spec['revision']}", flush=True)
         checkpoints.fetch_hub(ckpt_dir, spec["repo_id"], spec["revision"])
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     # The spec comes as a parameter, not a file: the cache is shared by every evidence directory.
     f.add_argument("--spec-json", required=True, help="the campaign's checkpoint section as JSON")
     f.add_argument("--dtype", required=True, choices=sorted(checkpoints.DTYPES))
+    f.add_argument("--device", default="cpu", help="the campaign's device: synthetic weights are drawn there")
     f.add_argument("--out", required=True, type=Path, help="checkpoint cache directory")
     r = sub.add_parser("record")
     r.add_argument("--checkpoint", required=True, type=Path)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "fetch":
-            fetch(args.out, json.loads(args.spec_json), args.dtype)
+            fetch(args.out, json.loads(args.spec_json), args.dtype, args.device)
         else:
             record(args.checkpoint, args.evidence)
     except checkpoints.CheckpointInvalid as e:

@@ -3,7 +3,8 @@
 Order of checks: stored hashes must match their ids (else an error), rows of a batch must be
 identical (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`),
 first divergence at an oracle margin below the dtype's noise (`near_tie_divergence`), or above it
-(`engine_accuracy_gap`). The worst verdict over all cells is the campaign's.
+(`engine_accuracy_gap`). Separately, the two expert-parallel transports must agree token for token
+(`transport_regression` otherwise). The worst verdict over all cells is the campaign's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from workflow.evidence import Stage, read_config, read_json, text_sha256, token_
 
 # Below these top-1/top-2 margins two correct implementations may pick different tokens.
 NEAR_TIE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1.25e-1}
-SEVERITY = ["all_token_text_exact", "near_tie_divergence", "engine_accuracy_gap", "batch_row_mismatch"]
+SEVERITY = ["all_token_text_exact", "near_tie_divergence", "engine_accuracy_gap", "transport_regression",
+            "batch_row_mismatch"]
+TRANSPORTS = ("host-staged", "collective")
 
 
 class HashMismatch(ValueError):
@@ -52,6 +55,27 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     return verdict, div
 
 
+def transport_cells(runs: list[dict]) -> list[dict]:
+    """host-staged against collective, per batch size and case (row 0 of each)."""
+    by = {(r["backend"], r["batch"]): {c["name"]: c for c in r["cases"]} for r in runs}
+    out = []
+    for (backend, batch), cases in sorted(by.items()):
+        other = by.get((TRANSPORTS[1], batch))
+        if backend != TRANSPORTS[0] or other is None:
+            continue
+        for name, case in cases.items():
+            a, b = case["rows"][0]["generated_ids"], other[name]["rows"][0]["generated_ids"]
+            div = None
+            if a != b:
+                step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                div = {"case": name, "row": 0, "step": step,
+                       "host_staged_token": a[step] if step < len(a) else None,
+                       "collective_token": b[step] if step < len(b) else None}
+            out.append({"backend": "host-staged vs collective", "batch": batch, "case": name,
+                        "verdict": "transport_regression" if div else "all_token_text_exact", "first_divergence": div})
+    return out
+
+
 def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
@@ -67,6 +91,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
             verdict, div = compare_case(by_name[case["name"]], case, near_tie)
             cells.append({"backend": run["backend"], "batch": run["batch"], "case": case["name"],
                           "verdict": verdict, "first_divergence": div})
+    cells += transport_cells(runs)
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))
     return {
         "verdict": worst["verdict"],

@@ -22,7 +22,9 @@ def load(ckpt_dir: Path, dtype: str, device: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt_dir)
-    model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=DTYPES[dtype], output_loading_info=True)
+    # device_map loads straight onto the GPU (no 31 GB host copy first); accelerate does that part
+    placement = {"device_map": device} if device != "cpu" else {}
+    model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=DTYPES[dtype], output_loading_info=True, **placement)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:  # a silent random init of a missing tensor would make the oracle meaningless
         raise checkpoints.CheckpointInvalid(f"transformers could not load {ckpt_dir} cleanly: {bad}")

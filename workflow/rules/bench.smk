@@ -1,0 +1,43 @@
+# Batched decode benchmark per backend, then the table, plot and baseline comparison.
+
+
+rule bench:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+        env=rules.context.output.env,
+    output:
+        [f"{E}/bench/{{backend}}-b{b}.json" for b in config["bench"]["batch_sizes"]],
+    wildcard_constraints:
+        backend="single|host-staged|collective",
+    # All cores: no other job runs beside a timing run (Snakemake's way to make a job exclusive).
+    threads: workflow.cores
+    params:
+        launch=launcher,
+        ev=evidence_dir,
+        batch_sizes=",".join(map(str, config["bench"]["batch_sizes"])),
+    log:
+        f"{E}/logs/bench-{{backend}}.log",
+    benchmark:
+        f"{E}/logs/bench-{{backend}}.benchmark.tsv"
+    shell:
+        "{params.launch} -m workflow.stages.bench --checkpoint {input.ckpt} --evidence {params.ev} "
+        "--backend {wildcards.backend} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
+
+
+rule bench_report:
+    input:
+        cells=BENCH,
+    output:
+        csv=f"{E}/bench/summary.csv",
+        plot=f"{E}/plots/bench.png",
+        baseline=f"{E}/bench/baseline.json",
+    params:
+        py=PY,
+        ev=evidence_dir,
+    log:
+        f"{E}/logs/bench-report.log",
+    benchmark:
+        f"{E}/logs/bench-report.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.bench_report --evidence {params.ev} {input.cells} 2>&1 | tee {log}"

@@ -1,0 +1,80 @@
+"""An engine session for a stage: config, device, expert-parallel ranks, model, tokenizer.
+
+Stages that run the engine (parity, bench) run once per backend; EP backends are launched with
+torchrun, every rank runs the same stage code in lockstep and only rank 0 writes evidence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from engine.checkpoint import load_model
+from workflow import checkpoints, environment
+from workflow.evidence import read_config, read_json
+
+BACKENDS = ("single", "host-staged", "collective")
+
+
+def is_primary() -> bool:
+    """Rank 0 under torchrun, or the only process: the one that writes evidence and prints."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def eos_ids(ckpt_dir: Path) -> list[int]:
+    for name in ("generation_config.json", "config.json"):
+        p = ckpt_dir / name
+        if p.is_file() and (eos := json.loads(p.read_text()).get("eos_token_id")) is not None:
+            return eos if isinstance(eos, list) else [eos]
+    return []
+
+
+@dataclass
+class Session:
+    config: dict
+    backend: str
+    device: str
+    model: object
+    tokenizer: Tokenizer
+    eos: list[int]
+    ep: object | None
+
+    @property
+    def primary(self) -> bool:
+        return self.ep is None or self.ep.rank == 0
+
+    @property
+    def params(self) -> dict:
+        p = {"backend": self.backend, "dtype": self.config["dtype"], "device": self.device}
+        if self.ep is not None:
+            p.update(ep_size=self.ep.world_size, collective=self.ep.collective_backend)
+        return p
+
+
+@contextlib.contextmanager
+def open_session(ckpt_dir: Path, evidence: Path, backend: str):
+    """Verify the checkpoint against checkpoint.json, join the EP group, load the engine."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    config = read_config(evidence / "config.yaml")
+    device = environment.resolve_device(config["device"])
+    checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
+    ep = None
+    if backend != "single":
+        from engine.parallel import init_from_env
+
+        ep = init_from_env(backend, device)
+        device = str(ep.device)
+    try:
+        model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[config["dtype"]], ep=ep)
+        # The tokenizer library itself (not transformers): the engine path imports no transformers code.
+        tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
+        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep)
+    finally:
+        if ep is not None:
+            ep.close()

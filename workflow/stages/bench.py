@@ -1,0 +1,109 @@
+"""Stage `bench`: batched decode timing of the engine, per backend, for every batch size.
+
+For each B: warm-up runs, then `bench.repeats` measured runs of one fixed prompt copied to B rows
+and exactly `bench.new_tokens` new tokens (EOS ignored). Marks after the prefill and after every
+batched decode step give TTFT, the first decode step and the steady TPOT samples. On a GPU the
+marks are CUDA events. Rows must agree before any figure is written; bad samples fail closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import CheckpointError
+from engine.generate import generate
+from workflow.benchstats import BenchError, summarize_cell
+from workflow.checkpoints import CheckpointInvalid
+from workflow.evidence import Stage, read_json, sha256_bytes
+from workflow.session import BACKENDS, Session, is_primary, open_session
+
+
+class Marks:
+    """Timestamps on the device timeline (CUDA events) or the host clock (CPU)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.marks: list = []
+
+    def mark(self, *_):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
+    marks = Marks(s.device)
+    with torch.inference_mode():
+        marks.mark()
+        gen = generate(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+    if any(row != gen.tokens[0] for row in gen.tokens) or any(len(row) != new_tokens for row in gen.tokens):
+        raise BenchError(f"batch {batch}: rows of the same prompt differ or stopped early; no figure is written")
+    iv = marks.intervals_ms()
+    if len(iv) != new_tokens:
+        raise BenchError(f"batch {batch}: {len(iv)} timed intervals, expected {new_tokens}")
+    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:]}
+
+
+def bench_batch(s: Session, batch: int) -> dict:
+    b = s.config["bench"]
+    prompt_ids = s.tokenizer.encode(b["prompt"]).ids
+    for _ in range(b["warmup"]):
+        measure(s, prompt_ids, batch, b["new_tokens"])
+    repeats = []
+    for r in range(b["repeats"]):
+        repeats.append(measure(s, prompt_ids, batch, b["new_tokens"]))
+        if s.primary:
+            steady = sorted(repeats[-1]["steady_ms"])
+            print(f"[bench {s.backend}-b{batch}] repeat {r + 1}/{b['repeats']}: "
+                  f"TPOT p50 {steady[len(steady) // 2]:.3f} ms", flush=True)
+    return {
+        "contract": {
+            "prompt_sha256": sha256_bytes(b["prompt"].encode()), "prompt_tokens": len(prompt_ids),
+            "new_tokens": b["new_tokens"], "warmup": b["warmup"], "repeats": b["repeats"],
+            "dtype": s.config["dtype"], "timer": "cuda_events" if s.device.startswith("cuda") else "perf_counter",
+        },
+        "repeats": repeats,
+        "stats": summarize_cell(repeats, batch, b["new_tokens"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--checkpoint", required=True, type=Path)
+    ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--backend", required=True, choices=BACKENDS)
+    ap.add_argument("--batch-sizes", required=True, type=lambda s: [int(b) for b in s.split(",")])
+    args = ap.parse_args(argv)
+    try:
+        with Stage(args.evidence, f"bench-{args.backend}", primary=is_primary()) as st, \
+                open_session(args.checkpoint, args.evidence, args.backend) as s:
+            st.params.update(s.params, batch_sizes=args.batch_sizes)
+            env = read_json(args.evidence / "env.json")
+            versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
+            model = {n: f["sha256"] for n, f in read_json(args.evidence / "checkpoint.json")["files"].items()}
+            for batch in args.batch_sizes:
+                cell = bench_batch(s, batch)
+                st.write_json(f"bench/{args.backend}-b{batch}.json", {
+                    "backend": args.backend, "batch": batch, **s.params, **cell, "versions": versions, "model": model})
+                st.metrics[f"b{batch}_tpot_p50_ms"] = cell["stats"]["tpot"]["p50"]
+                st.metrics[f"b{batch}_decode_tok_s"] = cell["stats"]["decode_tok_s"]
+    except (CheckpointError, CheckpointInvalid, BenchError) as e:
+        sys.exit(f"[bench {args.backend}] error: {e}")
+
+
+if __name__ == "__main__":
+    main()
