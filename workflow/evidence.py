@@ -103,11 +103,15 @@ def _git(code_dir: Path, *args: str) -> bytes | None:
 
 
 def git_state(code_dir: str | Path) -> dict:
-    """Commit and a hash of the uncommitted diff (tracked changes plus untracked, non-ignored files)."""
+    """Commit and a hash of the uncommitted diff (tracked changes plus untracked, non-ignored files).
+
+    A tree exported without .git (a copy sent to a GPU machine or a cluster) names its commit in
+    EVIDENT_GIT_COMMIT (and EVIDENT_GIT_DIRTY, if any) instead.
+    """
     code_dir = Path(code_dir)
     commit = _git(code_dir, "rev-parse", "HEAD")
     if commit is None:
-        return {"commit": None, "dirty": None}
+        return {"commit": os.environ.get("EVIDENT_GIT_COMMIT") or None, "dirty": os.environ.get("EVIDENT_GIT_DIRTY") or None}
     h = hashlib.sha256()
     diff = _git(code_dir, "diff", "HEAD", "--binary") or b""
     h.update(diff)

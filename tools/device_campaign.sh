@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Run a campaign on a lent GPU machine (no network, its own python3 with torch/triton/transformers).
+# Snakemake and MLflow travel as wheels in .whl/ (see README "GPU campaigns"); the evidence
+# directory comes back as one archive in $OUT.
+#   usage: EVIDENT_GIT_COMMIT=<sha> tools/device_campaign.sh config/campaigns/X.yaml [seconds]
+set -uo pipefail
+campaign=${1:?campaign file}
+budget=${2:-540}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m | head -4
+# greedy scheduler: the ILP one needs pulp, which is not carried (16 MB)
+timeout "$budget" python3 -m snakemake --cores all --scheduler greedy --keep-going --rerun-incomplete \
+  --configfile "$campaign" 2>&1 | grep -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
+  | tee "$OUT/snakemake.log"
+rc=${PIPESTATUS[0]}
+tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
+for f in evidence/*/*/bench/summary.csv; do echo "== $f"; cat "$f"; done
+for f in evidence/*/*/parity/comparison.json; do echo "== $f"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['verdict'], d['first_divergence'])" "$f"; done
+exit "$rc"
