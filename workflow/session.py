@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
 from engine.checkpoint import load_model
@@ -64,6 +65,8 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str):
     config = read_config(evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
+    if device.startswith("cuda"):
+        torch.set_num_threads(1)  # the host only launches kernels: idle OpenMP workers add jitter
     ep = None
     if backend != "single":
         from engine.parallel import init_from_env

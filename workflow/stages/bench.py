@@ -9,6 +9,7 @@ marks are CUDA events. Rows must agree before any figure is written; bad samples
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,13 @@ class Marks:
 
 def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
     marks = Marks(s.device)
-    with torch.inference_mode():
-        marks.mark()
-        gen = generate(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+    gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
+    try:
+        with torch.inference_mode():
+            marks.mark()
+            gen = generate(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+    finally:
+        gc.enable()
     if any(row != gen.tokens[0] for row in gen.tokens) or any(len(row) != new_tokens for row in gen.tokens):
         raise BenchError(f"batch {batch}: rows of the same prompt differ or stopped early; no figure is written")
     iv = marks.intervals_ms()

@@ -15,8 +15,10 @@ from pathlib import Path
 
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 
-# Below these top-1/top-2 margins two correct implementations may pick different tokens.
-NEAR_TIE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1.25e-1}
+# Below these top-1/top-2 margins two correct implementations may pick different tokens. For bf16,
+# 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the engine disagreed
+# with itself across batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
+NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
 SEVERITY = ["all_token_text_exact", "near_tie_divergence", "engine_accuracy_gap", "transport_regression",
             "batch_row_mismatch"]
 TRANSPORTS = ("host-staged", "collective")
