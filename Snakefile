@@ -7,9 +7,11 @@ from workflow.campaign import validate_campaign
 
 min_version("9.0")
 
+# A campaign file replaces the default campaign whole (no silent inheritance of its model); the
+# path is relative to this file, so `snakemake -s PATH/Snakefile -d WORKDIR` works too.
+if not workflow.overwrite_configfiles:
 
-# Relative to this file, so `snakemake -s PATH/Snakefile -d WORKDIR` finds it too.
-configfile: f"{workflow.basedir}/config/config.yaml"
+    configfile: f"{workflow.basedir}/config/config.yaml"
 
 
 # An unknown key or a bad value stops the run here, before any work, naming the key.
@@ -17,11 +19,19 @@ validate_campaign(config, f"{workflow.basedir}/config/schema.yaml")
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/checkpoint.smk"
-include: "workflow/rules/oracle.smk"
-include: "workflow/rules/parity.smk"
-include: "workflow/rules/bench.smk"
-include: "workflow/rules/seal.smk"
+
+
+# A sealed directory is never recomputed: its stages are not even defined, only the gate reads it.
+if not SEALED:
+
+    include: "workflow/rules/checkpoint.smk"
+    include: "workflow/rules/oracle.smk"
+    include: "workflow/rules/parity.smk"
+    include: "workflow/rules/bench.smk"
+    include: "workflow/rules/seal.smk"
+
+
+include: "workflow/rules/gate.smk"
 
 
 rule all:

@@ -121,15 +121,30 @@ def test_tokenizer_round_trip(tokenizer, tiny_config, text):
     assert tokenizer.decode(ids[1:], skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
 
 
+def _gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode (what the ByteLevel pre-tokenizer maps each byte to), written out
+    independently of workflow.checkpoints: printable bytes map to themselves, the rest to 256 + k."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
 def test_tokenizer_covers_every_id(tokenizer, tiny_config):
     n = tiny_config["vocab_size"]
     assert len(tokenizer) == n
     assert sorted(tokenizer.get_vocab().values()) == list(range(n))
     assert tokenizer.eos_token_id == tiny_config["eos_token_id"]
+    # Every id decodes to its own bytes: a byte-level token is GPT-2 alphabet characters, one per byte,
+    # and decoding it gives those bytes as UTF-8 (a lone continuation byte shows as U+FFFD).
+    byte_of = {c: b for b, c in enumerate(_gpt2_byte_alphabet())}
+    specials = {tiny_config["bos_token_id"], tiny_config["eos_token_id"]}
     for i in range(n):
         s = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        assert isinstance(s, str)
-    # Every id decodes to something, including special tokens.
+        token = tokenizer.convert_ids_to_tokens(i)
+        if i in specials:
+            assert s == token, i
+        else:
+            assert s and s == bytes(byte_of[c] for c in token).decode("utf-8", errors="replace"), (i, token, s)
     assert tokenizer.decode([tiny_config["bos_token_id"]], skip_special_tokens=False) == tokenizer.bos_token
     assert tokenizer.decode(list(range(n)), skip_special_tokens=False)
 

@@ -179,9 +179,24 @@ def test_git_state_reverted_change_is_clean(repo):
 def test_git_state_not_a_repo(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     monkeypatch.delenv("GIT_DIR", raising=False)
+    monkeypatch.delenv("EVIDENT_GIT_COMMIT", raising=False)
     d = tmp_path / "plain"
-    d.mkdir()
-    assert evidence.git_state(d) == {"commit": None, "dirty": None}
+    (d / "engine").mkdir(parents=True)
+    (d / "engine" / "model.py").write_text("x = 1\n")
+    first = evidence.git_state(d)
+    assert first["commit"] is None and len(first["dirty"]) == 64  # the code itself names the id
+    (d / "engine" / "model.py").write_text("x = 2\n")
+    assert evidence.git_state(d)["dirty"] != first["dirty"]
+    before = evidence.git_state(d)["dirty"]
+    (d / "notes.txt").write_text("not code")
+    assert evidence.git_state(d)["dirty"] == before
+
+
+def test_git_state_exported_tree_names_its_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.setenv("EVIDENT_GIT_COMMIT", "a" * 40)
+    monkeypatch.setenv("EVIDENT_GIT_DIRTY", "b" * 64)
+    assert evidence.git_state(tmp_path) == {"commit": "a" * 40, "dirty": "b" * 64}
 
 
 # --- evidence ids --------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import getpass
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,9 +31,14 @@ def snakemake(workdir: Path, *args: str, env: dict | None = None) -> subprocess.
                           capture_output=True, text=True, env=e, timeout=900)
 
 
+TINY = yaml.safe_load((REPO / "config/config.yaml").read_text())
+
+
 def campaign(tmp: Path, **overrides) -> Path:
-    """A campaign file: the default one, smaller (one case, two batch sizes), with overrides."""
-    cfg = {"campaign": "e2e", "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
+    """A whole campaign file (nothing is inherited from config/config.yaml): the tiny model, one
+    case, the single backend, with overrides."""
+    cfg = {"campaign": "e2e", "device": "cpu", "checkpoint": copy.deepcopy(TINY["checkpoint"]),
+           "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
            "parity": {"batch_sizes": [1, 3], "backends": ["single"]},
            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0}}
     for key, value in overrides.items():
@@ -69,7 +76,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     for rel in ("MANIFEST.json", "SUMMARY.md", "config.yaml", "env.json", "checkpoint.json", "oracle/hf.json",
                 "parity/comparison.json", "bench/summary.csv", "bench/baseline.json", "plots/bench.png",
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
-                *(f"{kind}/{b}-b{n}.json" for kind in ("parity", "bench") for b in backends for n in (1, 4, 8))):
+                *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
+                *(f"bench/{b}-b{n}.json" for b in ("single", "collective") for n in (1, 4, 8))):
         assert (ev / rel).is_file(), rel
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["verdict"] == "all_token_text_exact"
@@ -138,6 +146,12 @@ def test_second_run_does_nothing(default_run):
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr
     assert {p: p.stat().st_mtime_ns for p in ev.rglob("*")} == before
+    # a sealed directory is never recomputed, even with its inputs gone (`make clean`)
+    shutil.rmtree(wd / ".evident")
+    again = snakemake(wd)
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in ev.rglob("*")} == before
+    assert (wd / ".evident" / "gates" / "tiny" / f"{ev.name}.json").is_file()  # the gate re-read the seal
 
 
 def test_unknown_key_and_bad_value_fail_naming_the_key(tmp_path):
@@ -157,12 +171,19 @@ def test_tracking_unreachable_still_seals_complete_evidence(tmp_path):
     with socket.socket() as s:  # a loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path)), env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    # the model without yarn: a campaign file is whole, it inherits no key of the default campaign's model
+    model = {k: v for k, v in TINY["checkpoint"]["config"].items() if k != "rope_scaling"}
+    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path, **{"checkpoint.config": model})),
+                  env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ev = only_evidence_dir(tmp_path, "e2e")
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["tracking"]["status"] == "pending"
-    assert "127.0.0.1" not in manifest["tracking"]["reason"]  # no URL in evidence
+    for p in ev.rglob("*"):  # the URL (a host) reaches no evidence file
+        assert f"127.0.0.1:{port}" not in p.read_text(errors="replace"), p
+    recorded = yaml.safe_load((ev / "config.yaml").read_text())
+    assert "tracking" not in recorded
+    assert "rope_scaling" not in recorded["checkpoint"]["config"]
     assert manifest["verdict"] == "all_token_text_exact"
     assert {"oracle/hf.json", "parity/single-b3.json", "parity/comparison.json", "bench/single-b1.json",
             "SUMMARY.md"} <= set(manifest["files"])
@@ -181,6 +202,8 @@ def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
     assert "model.safetensors" in r.stdout + r.stderr and "corrupt or truncated" in r.stdout + r.stderr
     ev = only_evidence_dir(tmp_path, "e2e")
     assert not (ev / MANIFEST).exists() and not (ev / "checkpoint.json").exists()
+    assert str(tmp_path) not in (ev / "config.yaml").read_text()  # local paths are redacted
+    assert ckpt.is_dir() and weights.is_file()  # the user's directory is never a rule output
     assert json.loads((ev / "stages/checkpoint.json").read_text())["status"] == "failed"
 
 

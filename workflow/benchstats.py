@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from workflow.traces import markdown
+
 NOISE = 0.05
 """A cell is noisy when its per-repeat TPOT medians spread by more than this fraction of their
 median: (max - min) / median > NOISE."""
@@ -300,14 +302,10 @@ def summary_frame(cells: list[dict]):
 
 def markdown_table(frame) -> str:
     """The SUMMARY.md bench table, one row per cell, in the frame's order."""
-    lines = ["| " + " | ".join(MARKDOWN_HEADER) + " |", "|" + "---|" * len(MARKDOWN_HEADER)]
-    for r in frame.itertuples(index=False):
-        cells = [
-            str(r.backend), str(int(r.batch)), f"{r.tpot_p50_ms:.3f}", f"{r.tpot_avg_ms:.3f}",
-            f"{r.tpot_p95_ms:.3f}", f"{r.decode_tok_s:.1f}", "yes" if r.noisy else "no",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    rows = [[str(r.backend), str(int(r.batch)), f"{r.tpot_p50_ms:.3f}", f"{r.tpot_avg_ms:.3f}",
+             f"{r.tpot_p95_ms:.3f}", f"{r.decode_tok_s:.1f}", "yes" if r.noisy else "no"]
+            for r in frame.itertuples(index=False)]
+    return markdown(MARKDOWN_HEADER, rows) + "\n"
 
 
 def plot(frame, path: str | Path) -> Path:

@@ -7,6 +7,7 @@ original per-expert parameter names that hub checkpoints use, a byte-level BPE t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ REQUIRED = ("config.json",)
 MAX_SHARD_BYTES = 4 << 30
 # Hashes of large files are reused while a file's size, mtime and inode are unchanged (as git's index
 # does): a 31 GB checkpoint is hashed once, not by every stage that verifies it.
-HASH_CACHE = Path(".evident/sha256-cache.json")
+HASH_CACHE = Path(".evident/sha256")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -235,18 +236,19 @@ def describe(ckpt_dir: str | Path, expected: dict[str, str] | None = None) -> di
 
 def cached_sha256(path: Path) -> str:
     st = path.stat()
-    key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ino]
     if st.st_size < (64 << 20):
         return sha256_file(path)
+    # one small file per path: concurrent stages never lose each other's entries
+    entry = HASH_CACHE / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]}.json"
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
     try:
-        cache = read_json(HASH_CACHE)
-    except (OSError, ValueError):
-        cache = {}
-    if cache.get(key, {}).get("stamp") == stamp:
-        return cache[key]["sha256"]
+        cached = read_json(entry)
+        if cached["stamp"] == stamp:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
     digest = sha256_file(path)
-    cache[key] = {"stamp": stamp, "sha256": digest}
-    write_json(HASH_CACHE, cache)
+    write_json(entry, {"stamp": stamp, "sha256": digest})
     return digest
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import platform
 import subprocess
 
@@ -50,5 +51,5 @@ def describe(device: str) -> dict:
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["driver"] = _driver()
     else:
-        env["cpu_threads"] = torch.get_num_threads()
+        env["cpu_count"] = os.cpu_count()
     return env

@@ -111,7 +111,9 @@ def git_state(code_dir: str | Path) -> dict:
     code_dir = Path(code_dir)
     commit = _git(code_dir, "rev-parse", "HEAD")
     if commit is None:
-        return {"commit": os.environ.get("EVIDENT_GIT_COMMIT") or None, "dirty": os.environ.get("EVIDENT_GIT_DIRTY") or None}
+        if os.environ.get("EVIDENT_GIT_COMMIT"):
+            return {"commit": os.environ["EVIDENT_GIT_COMMIT"], "dirty": os.environ.get("EVIDENT_GIT_DIRTY") or None}
+        return {"commit": None, "dirty": source_hash(code_dir)}  # no git at all: the code itself names it
     h = hashlib.sha256()
     diff = _git(code_dir, "diff", "HEAD", "--binary") or b""
     h.update(diff)
@@ -122,6 +124,19 @@ def git_state(code_dir: str | Path) -> dict:
             h.update(name + b"\0" + sha256_file(p).encode())
     dirty = h.hexdigest() if (diff or any(untracked)) else None
     return {"commit": commit.decode().strip(), "dirty": dirty}
+
+
+SOURCE_GLOBS = ("Snakefile", "config/**/*.yaml", "engine/**/*.py", "kernels/**/*.py", "workflow/**/*.py",
+                "workflow/**/*.smk")
+
+
+def source_hash(code_dir: Path) -> str:
+    """sha256 over the project's code and config files, for a tree that has no git history."""
+    h = hashlib.sha256()
+    for pattern in SOURCE_GLOBS:
+        for p in sorted(code_dir.glob(pattern)):
+            h.update(p.relative_to(code_dir).as_posix().encode() + b"\0" + sha256_file(p).encode())
+    return h.hexdigest()
 
 
 def evidence_id(git: dict, config: dict, repeat: int) -> str:
@@ -187,6 +202,11 @@ class Stage:
 
 def stage_records(evidence_dir: str | Path) -> list[dict]:
     return [read_json(p) for p in sorted((Path(evidence_dir) / STAGES_DIR).glob("*.json"))]
+
+
+def verdict_of(records: list[dict]) -> str | None:
+    """The parity verdict, carried as a tag by the stage that decided it."""
+    return next((r["tags"]["verdict"] for r in records if "verdict" in r.get("tags", {})), None)
 
 
 # --- manifest ------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ from workflow.evidence import read_config, read_json
 BACKENDS = ("single", "host-staged", "collective")
 
 
+def batch_sizes(text: str) -> list[int]:
+    """`--batch-sizes 1,4,8` of the engine stages."""
+    return [int(b) for b in text.split(",")]
+
+
 def is_primary() -> bool:
     """Rank 0 under torchrun, or the only process: the one that writes evidence and prints."""
     return int(os.environ.get("RANK", "0")) == 0

@@ -5,12 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workflow.evidence import read_config, read_json
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+from workflow.traces import markdown
 
 
 def _divergence(d: dict | None) -> str:
@@ -40,7 +35,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
         f"transformers DeepseekV2 oracle, greedy decoding, {len(config['cases'])} cases.",
         "",
-        _table(["what", "value"], [
+        markdown(["what", "value"], [
             ["commit", f"`{commit}`"],
             ["device / dtype", f"{device} / {config['dtype']}"],
             ["torch / transformers", f"{pk.get('torch')} / {pk.get('transformers')}"],
@@ -51,7 +46,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "",
         "### Oracle traces",
         "",
-        _table(["case", "prompt tokens", "generated", "token_sha256", "text_sha256", "min top-1/top-2 margin"], [
+        markdown(["case", "prompt tokens", "generated", "token_sha256", "text_sha256", "min top-1/top-2 margin"], [
             [c["name"], len(c["prompt_ids"]), len(c["generated_ids"]), f"`{c['token_sha256'][:16]}`",
              f"`{c['text_sha256'][:16]}`", f"{min(c['margins']):.3g}" if c["margins"] else "—"]
             for c in oracle["cases"]
@@ -59,7 +54,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "",
         f"### Parity (near-tie margin {comparison['near_tie_margin']:g})",
         "",
-        _table(["backend", "batch", "case", "verdict", "first divergence"], [
+        markdown(["backend", "batch", "case", "verdict", "first divergence"], [
             [c["backend"], c["batch"], c["case"], f"`{c['verdict']}`", _divergence(c["first_divergence"])]
             for c in comparison["cells"]
         ]),
@@ -100,7 +95,7 @@ def bench_section(root: Path) -> list[str]:
     ]
     baseline = read_json(root / "bench/baseline.json")
     if baseline["baseline"]:
-        out += [f"Against baseline `{baseline['baseline']}`:", "", _table(
+        out += [f"Against baseline `{baseline['baseline']}`:", "", markdown(
             ["backend", "batch", "claim", "TPOT p50 change", "reason"],
             [[c["backend"], c["batch"], c["claim"],
               "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]

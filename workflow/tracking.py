@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workflow.evidence import read_config, stage_records
+from workflow.evidence import read_config, stage_records, verdict_of
 
 PARENT_FILES = ("SUMMARY.md", "config.yaml", "env.json", "checkpoint.json")
 MAX_PARAM_CHARS = 6000
@@ -59,7 +59,7 @@ def _log_run(c, run_id: str, params: dict, metrics: dict, tags: dict, files: lis
         c.log_artifact(run_id, str(f), artifact_path=None if rel == "." else rel)
 
 
-def log_evidence(evidence_dir: str | Path, uri: str | None = None, extra_files: tuple[str, ...] = ()) -> dict:
+def log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
     """Log (or complete) the parent and child runs of one evidence directory. Idempotent.
 
     Returns {"experiment_id", "parent_run_id", "child_run_ids": {stage: id}}. Raises whatever
@@ -69,10 +69,10 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None, extra_files: 
     config = read_config(root / "config.yaml")
     eid = root.name
     records = stage_records(root)
-    verdict = next((r["tags"]["verdict"] for r in records if "verdict" in r.get("tags", {})), "")
+    verdict = verdict_of(records) or ""
     common = {"evident.id": eid, "commit": eid.split("-")[0], "device": config.get("device", ""), "verdict": verdict}
 
-    c = client(uri or (config.get("tracking") or {}).get("uri"))
+    c = client(uri)
     exp_id = _experiment_id(c, config["campaign"])
     parent = _find(c, exp_id, [f"tags.`evident.id` = '{eid}'", "tags.`evident.kind` = 'parent'"])
     if parent is None:
@@ -83,7 +83,7 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None, extra_files: 
     for rec in records:
         name = rec["name"]
         child = _find(c, exp_id, [f"tags.`mlflow.parentRunId` = '{pid}'", f"tags.`evident.stage` = '{name}'"])
-        if child is not None and child.info.status != "FINISHED":
+        if child is not None and child.info.status not in ("FINISHED", "FAILED"):
             c.delete_run(child.info.run_id)  # left half-logged by an earlier crash: log it again whole
             child = None
         if child is None:
@@ -97,7 +97,7 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None, extra_files: 
         children[name] = child.info.run_id
 
     if parent.info.status != "FINISHED":
-        files = [root / f for f in (*PARENT_FILES, *extra_files) if (root / f).is_file()]
+        files = [root / f for f in PARENT_FILES if (root / f).is_file()]
         params = {"campaign": config["campaign"], "device": config.get("device"), "dtype": config.get("dtype")}
         _log_run(c, pid, params, {}, {"verdict": verdict}, files, root)
     return {"experiment_id": exp_id, "parent_run_id": pid, "child_run_ids": children}
@@ -106,8 +106,7 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None, extra_files: 
 def finish(evidence_dir: str | Path, ids: dict, uri: str | None = None) -> None:
     """Attach MANIFEST.json to the parent run and mark it finished (after sealing)."""
     root = Path(evidence_dir)
-    config = read_config(root / "config.yaml")
-    c = client(uri or (config.get("tracking") or {}).get("uri"))
+    c = client(uri)
     run = c.get_run(ids["parent_run_id"])
     if run.info.status != "FINISHED":
         c.log_artifact(ids["parent_run_id"], str(root / "MANIFEST.json"))

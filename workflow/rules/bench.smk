@@ -35,9 +35,10 @@ rule bench_report:
     params:
         py=PY,
         ev=evidence_dir,
+        baseline="--baseline '{}'".format(config["bench"]["baseline"]) if config["bench"]["baseline"] else "",
     log:
         f"{E}/logs/bench-report.log",
     benchmark:
         f"{E}/logs/bench-report.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.bench_report --evidence {params.ev} {input.cells} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.bench_report --evidence {params.ev} {params.baseline} {input.cells} 2>&1 | tee {log}"

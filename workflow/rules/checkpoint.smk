@@ -17,20 +17,22 @@ rule context:
         "{params.py} -m workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"
 
 
-rule fetch_checkpoint:
-    output:
-        directory(CKPT),
-    params:
-        py=PY,
-        spec=json.dumps(config["checkpoint"], sort_keys=True),
-        dtype=config["dtype"],
-        device=config["device"],
-    log:
-        f"{CKPT}.log",
-    benchmark:
-        f"{CKPT}.benchmark.tsv"
-    shell:
-        "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --device {params.device} --out {output} 2>&1 | tee {log}"
+if config["checkpoint"]["source"] != "local":
+
+    rule fetch_checkpoint:
+        output:
+            directory(CKPT),
+        params:
+            py=PY,
+            spec=json.dumps(config["checkpoint"], sort_keys=True),
+            dtype=config["dtype"],
+            device=config["device"],
+        log:
+            f"{CKPT}.log",
+        benchmark:
+            f"{CKPT}.benchmark.tsv"
+        shell:
+            "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --device {params.device} --out {output} 2>&1 | tee {log}"
 
 
 rule record_checkpoint:

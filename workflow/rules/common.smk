@@ -1,21 +1,25 @@
 # Shared values: the evidence id is derived from the code (git) and the resolved config.
-import hashlib
 import json
+import os
 import sys
 
+from workflow.campaign import evidence_config
 from workflow.evidence import config_hash, evidence_id, git_state
 
 PY = sys.executable  # the stages run in the interpreter that runs Snakemake
 GIT = git_state(workflow.basedir)
-EID = evidence_id(GIT, config, config["repeat"])
+RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, no paths
+EID = evidence_id(GIT, RECORDED, config["repeat"])
 E = f"evidence/{config['campaign']}/{EID}"
+SEALED = os.path.exists(f"{E}/MANIFEST.json")
 GATE = f".evident/gates/{config['campaign']}/{EID}.json"
 SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
-CONFIG_JSON = json.dumps(config, sort_keys=True)
+CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
 
 
 def checkpoint_dir():
-    """A local checkpoint is used in place; synthetic and hub ones live in a cache keyed by their spec."""
+    """A local checkpoint is used in place (never a rule's output, so Snakemake never deletes it);
+    synthetic and hub ones live in a cache keyed by their spec."""
     spec = config["checkpoint"]
     if spec["source"] == "local":
         return spec["path"]

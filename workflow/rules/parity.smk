@@ -9,6 +9,8 @@ rule parity:
         [f"{E}/parity/{{backend}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
         backend="single|host-staged|collective",
+    # one core per rank, so Snakemake does not run more processes than cores beside it
+    threads: lambda wildcards: 1 if wildcards.backend == "single" else config["parallel"]["ep_size"]
     params:
         launch=launcher,
         ev=evidence_dir,

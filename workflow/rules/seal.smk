@@ -16,25 +16,11 @@ rule seal:
         ev=evidence_dir,
         commit=GIT["commit"] or "",
         dirty=GIT["dirty"] or "",
+        tracking="--tracking-uri '{}'".format(config["tracking"]["uri"]) if config["tracking"]["uri"] else "",
+        no_tracking="" if config["tracking"]["enabled"] else "--no-tracking",
     log:
         f"{SEAL_LOGS}/seal.log",
     benchmark:
         f"{SEAL_LOGS}/seal.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.seal --evidence {params.ev} --commit '{params.commit}' --dirty '{params.dirty}' 2>&1 | tee {log}"
-
-
-rule gate:
-    input:
-        rules.seal.output.manifest,
-    output:
-        GATE,
-    params:
-        py=PY,
-        ev=evidence_dir,
-    log:
-        f"{SEAL_LOGS}/gate.log",
-    benchmark:
-        f"{SEAL_LOGS}/gate.benchmark.tsv"
-    shell:
-        "{params.py} -m workflow.stages.gate --evidence {params.ev} --out {output} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.seal --evidence {params.ev} --commit '{params.commit}' --dirty '{params.dirty}' {params.tracking} {params.no_tracking} 2>&1 | tee {log}"

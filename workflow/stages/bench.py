@@ -21,7 +21,7 @@ from engine.generate import generate
 from workflow.benchstats import BenchError, summarize_cell
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import Stage, read_json, sha256_bytes
-from workflow.session import BACKENDS, Session, is_primary, open_session
+from workflow.session import BACKENDS, Session, batch_sizes, is_primary, open_session
 
 
 class Marks:
@@ -80,6 +80,9 @@ def bench_batch(s: Session, batch: int) -> dict:
             "prompt_sha256": sha256_bytes(b["prompt"].encode()), "prompt_tokens": len(prompt_ids),
             "new_tokens": b["new_tokens"], "warmup": b["warmup"], "repeats": b["repeats"],
             "dtype": s.config["dtype"], "timer": "cuda_events" if s.device.startswith("cuda") else "perf_counter",
+            # how the engine ran: a claim across ranks, transports or host threads would compare setups
+            "ep_size": s.params.get("ep_size", 1), "collective": s.params.get("collective"),
+            "device": s.device.split(":")[0], "host_threads": torch.get_num_threads(),
         },
         "repeats": repeats,
         "stats": summarize_cell(repeats, batch, b["new_tokens"]),
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", required=True, type=Path)
     ap.add_argument("--evidence", required=True, type=Path)
     ap.add_argument("--backend", required=True, choices=BACKENDS)
-    ap.add_argument("--batch-sizes", required=True, type=lambda s: [int(b) for b in s.split(",")])
+    ap.add_argument("--batch-sizes", required=True, type=batch_sizes)
     args = ap.parse_args(argv)
     try:
         with Stage(args.evidence, f"bench-{args.backend}", primary=is_primary()) as st, \

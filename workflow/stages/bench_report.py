@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 from workflow import benchstats
-from workflow.evidence import MANIFEST, Stage, read_config, read_json, write_text
+from workflow.evidence import MANIFEST, Stage, read_json, write_text
 
 
 def resolve_baseline(ref: str, evidence: Path) -> Path:
     p = Path(ref)
     if p.is_dir():
+        if not (p / MANIFEST).is_file():
+            raise FileNotFoundError(f"bench.baseline {p} is not sealed (no {MANIFEST})")
         return p
     matches = sorted(d for d in evidence.parent.iterdir() if d.name.startswith(ref) and d != evidence)
     if len(matches) != 1:
@@ -45,20 +47,19 @@ def compare_to(cells: list[dict], base_dir: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--baseline", default=None, help="bench.baseline: an evidence directory, id or unique id prefix")
     ap.add_argument("cells", nargs="+", type=Path, help="bench/<backend>-b<B>.json files")
     args = ap.parse_args(argv)
-    config = read_config(args.evidence / "config.yaml")
     try:
-        with Stage(args.evidence, "bench-report", params={"baseline": config["bench"]["baseline"]}) as st:
+        with Stage(args.evidence, "bench-report") as st:
             cells = [read_json(p) for p in args.cells]
             frame = benchstats.summary_frame(cells)
             st.add_file(write_text(args.evidence / "bench/summary.csv", frame.to_csv(index=False)))
             benchstats.plot(frame, args.evidence / "plots/bench.png")
             st.add_file(args.evidence / "plots/bench.png")
-            ref = config["bench"]["baseline"]
             result = {"baseline": None, "cells": []}
-            if ref:
-                base = resolve_baseline(ref, args.evidence)
+            if args.baseline:
+                base = resolve_baseline(args.baseline, args.evidence)
                 result = {"baseline": base.name, "cells": compare_to(cells, base)}
             st.write_json("bench/baseline.json", result)
             print(frame.to_string(index=False), flush=True)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
+from workflow.traces import first_difference, token_at
 
 # Below these top-1/top-2 margins two correct implementations may pick different tokens. For bf16,
 # 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the engine disagreed
@@ -45,14 +46,11 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     want, got = oracle["generated_ids"], case["rows"][0]["generated_ids"]
     if want == got and case["rows"][0]["text"] == oracle["text"]:
         return "all_token_text_exact", None
-    step = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    margin = oracle["margins"][step] if step < len(oracle["margins"]) else None
-    div = {
-        "case": case["name"], "row": 0, "step": step,
-        "oracle_token": want[step] if step < len(want) else None,
-        "engine_token": got[step] if step < len(got) else None,
-        "oracle_margin": margin,
-    }
+    step = first_difference(want, got)
+    step = len(want) if step is None else step  # same ids, different text: a decode gap after the last token
+    margin = token_at(oracle["margins"], step)
+    div = {"case": case["name"], "row": 0, "step": step, "oracle_token": token_at(want, step),
+           "engine_token": token_at(got, step), "oracle_margin": margin}
     verdict = "near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"
     return verdict, div
 
@@ -67,12 +65,10 @@ def transport_cells(runs: list[dict]) -> list[dict]:
             continue
         for name, case in cases.items():
             a, b = case["rows"][0]["generated_ids"], other[name]["rows"][0]["generated_ids"]
-            div = None
-            if a != b:
-                step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            step, div = first_difference(a, b), None
+            if step is not None:
                 div = {"case": name, "row": 0, "step": step,
-                       "host_staged_token": a[step] if step < len(a) else None,
-                       "collective_token": b[step] if step < len(b) else None}
+                       "host_staged_token": token_at(a, step), "collective_token": token_at(b, step)}
             out.append({"backend": "host-staged vs collective", "batch": batch, "case": name,
                         "verdict": "transport_regression" if div else "all_token_text_exact", "first_divergence": div})
     return out

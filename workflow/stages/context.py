@@ -1,4 +1,4 @@
-"""Stage `context`: the resolved campaign config and the environment, first files of a directory."""
+"""Stage `context`: the recorded campaign config and the environment, first files of a directory."""
 
 from __future__ import annotations
 
@@ -9,19 +9,21 @@ from pathlib import Path
 import yaml
 
 from workflow import environment
-from workflow.evidence import write_json, write_text
+from workflow.evidence import Stage, write_text
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path, help="evidence directory")
-    ap.add_argument("--config-json", required=True, help="the resolved campaign config as JSON")
+    ap.add_argument("--config-json", required=True, help="the recorded campaign config as JSON")
     args = ap.parse_args(argv)
     config = json.loads(args.config_json)
-    device = environment.resolve_device(config["device"])
-    write_text(args.evidence / "config.yaml", yaml.safe_dump(config, sort_keys=True, allow_unicode=True))
-    write_json(args.evidence / "env.json", environment.describe(device))
-    print(f"[context] {args.evidence}: device {device}, dtype {config['dtype']}", flush=True)
+    with Stage(args.evidence, "context", params={"campaign": config["campaign"], "dtype": config["dtype"]}) as st:
+        device = environment.resolve_device(config["device"])
+        st.add_file(write_text(args.evidence / "config.yaml", yaml.safe_dump(config, sort_keys=True, allow_unicode=True)))
+        st.write_json("env.json", environment.describe(device))
+        st.params["device"] = device
+        print(f"[context] {args.evidence}: device {device}, dtype {config['dtype']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from workflow import checkpoints, environment
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 
-DTYPES = checkpoints.DTYPES
+
 
 
 def load(ckpt_dir: Path, dtype: str, device: str):
@@ -24,7 +24,7 @@ def load(ckpt_dir: Path, dtype: str, device: str):
     tok = AutoTokenizer.from_pretrained(ckpt_dir)
     # device_map loads straight onto the GPU (no 31 GB host copy first); accelerate does that part
     placement = {"device_map": device} if device != "cpu" else {}
-    model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=DTYPES[dtype], output_loading_info=True, **placement)
+    model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=checkpoints.DTYPES[dtype], output_loading_info=True, **placement)
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:  # a silent random init of a missing tensor would make the oracle meaningless
         raise checkpoints.CheckpointInvalid(f"transformers could not load {ckpt_dir} cleanly: {bad}")

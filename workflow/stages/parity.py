@@ -17,15 +17,15 @@ from engine.checkpoint import CheckpointError
 from engine.generate import generate
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import Stage, text_sha256, token_sha256
-from workflow.session import BACKENDS, Session, is_primary, open_session
+from workflow.traces import first_difference, token_at
+from workflow.session import BACKENDS, Session, batch_sizes, is_primary, open_session
 
 
 def first_row_mismatch(rows: list[list[int]]) -> dict | None:
     for r, ids in enumerate(rows[1:], 1):
-        if ids != rows[0]:
-            step = next((i for i, (a, b) in enumerate(zip(rows[0], ids)) if a != b), min(len(ids), len(rows[0])))
-            at = lambda seq: seq[step] if step < len(seq) else None  # noqa: E731 - None: the row had ended
-            return {"row": r, "step": step, "row0_token": at(rows[0]), "row_token": at(ids)}
+        step = first_difference(rows[0], ids)
+        if step is not None:
+            return {"row": r, "step": step, "row0_token": token_at(rows[0], step), "row_token": token_at(ids, step)}
     return None
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint", required=True, type=Path)
     ap.add_argument("--evidence", required=True, type=Path)
     ap.add_argument("--backend", required=True, choices=BACKENDS)
-    ap.add_argument("--batch-sizes", required=True, type=lambda s: [int(b) for b in s.split(",")])
+    ap.add_argument("--batch-sizes", required=True, type=batch_sizes)
     args = ap.parse_args(argv)
     try:
         # One process (group) per backend: the model is loaded once for every batch size.

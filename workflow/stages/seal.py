@@ -1,16 +1,19 @@
 """Stage `seal`: SUMMARY.md, MLflow logging, then MANIFEST.json written last, atomically.
 
 Tracking never decides the evidence: if MLflow cannot be reached the directory is still sealed
-and the manifest records tracking as pending, for a later sync.
+and the manifest records tracking as pending; `python -m workflow.stages.sync` replays it later.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import re
+import socket
 from pathlib import Path
 
 from workflow import tracking
-from workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
+from workflow.evidence import config_hash, read_config, stage_records, verdict_of, write_manifest, write_text
 from workflow.summary import render
 
 
@@ -20,23 +23,37 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: the tracking store could not be reached or written (details in the seal log)"
 
 
+def scrub_logs(root: Path) -> None:
+    """Stage logs are raw tool output: replace the home directory, user and host names in them."""
+    subs = [(re.escape(str(Path.home())), "~"), (rf"\b{re.escape(getpass.getuser())}\b", "<user>"),
+            (rf"\b{re.escape(socket.gethostname())}\b", "<host>")]
+    for log in sorted((root / "logs").glob("*.log")):
+        text = original = log.read_text(errors="replace")
+        for pattern, repl in subs:
+            text = re.sub(pattern, repl, text)
+        if text != original:
+            write_text(log, text)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
     ap.add_argument("--commit", default="")
     ap.add_argument("--dirty", default="")
+    ap.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI, else MLflow's default store")
+    ap.add_argument("--no-tracking", action="store_true")
     args = ap.parse_args(argv)
     root = args.evidence
     config = read_config(root / "config.yaml")
     git = {"commit": args.commit or None, "dirty": args.dirty or None}
+    scrub_logs(root)
     write_text(root / "SUMMARY.md", render(root, git))
     records = stage_records(root)
-    verdict = next((r["tags"]["verdict"] for r in records if "verdict" in r["tags"]), None)
 
     ids, track = None, {"status": "disabled"}
-    if config["tracking"]["enabled"]:
+    if not args.no_tracking:
         try:
-            ids = tracking.log_evidence(root)
+            ids = tracking.log_evidence(root, args.tracking_uri)
             track = {"status": "logged", **ids}
             print(f"[seal] MLflow: experiment {ids['experiment_id']}, parent run {ids['parent_run_id']}", flush=True)
         except Exception as e:  # any tracking failure leaves the evidence complete
@@ -50,15 +67,16 @@ def main(argv: list[str] | None = None) -> None:
         "git": git,
         "config_sha256": config_hash(config),
         "stages": {r["name"]: r["status"] for r in records},
-        "verdict": verdict,
+        "verdict": verdict_of(records),
         "tracking": track,
     })
     if ids:
         try:
-            tracking.finish(root, ids)
+            tracking.finish(root, ids, args.tracking_uri)
         except Exception as e:
-            print(f"[seal] MLflow: could not attach the manifest ({type(e).__name__}: {e}); run a sync later", flush=True)
-    print(f"[seal] sealed {root} (verdict {verdict})", flush=True)
+            print(f"[seal] MLflow: could not attach the manifest ({type(e).__name__}: {e}); "
+                  f"run `python -m workflow.stages.sync {root}` later", flush=True)
+    print(f"[seal] sealed {root} (verdict {verdict_of(records)})", flush=True)
 
 
 if __name__ == "__main__":

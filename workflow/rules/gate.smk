@@ -1,0 +1,17 @@
+# The gate reads the sealed manifest only: `parity.require_exact` fails the run after sealing.
+
+
+rule gate:
+    input:
+        rules.seal.output.manifest,
+    output:
+        GATE,
+    params:
+        py=PY,
+        ev=evidence_dir,
+    log:
+        f"{SEAL_LOGS}/gate.log",
+    benchmark:
+        f"{SEAL_LOGS}/gate.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.gate --evidence {params.ev} --out {output} 2>&1 | tee {log}"
