@@ -3,7 +3,7 @@
 
 rule gate:
     input:
-        rules.seal.output.manifest,
+        f"{E}/MANIFEST.json",
     output:
         GATE,
     params:
