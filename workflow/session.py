@@ -6,6 +6,7 @@ torchrun, every rank runs the same stage code in lockstep and only rank 0 writes
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -17,14 +18,9 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint import load_model
 from workflow import checkpoints, environment
-from workflow.evidence import read_config, read_json
+from workflow.evidence import Stage, read_config, read_json
 
 BACKENDS = ("single", "host-staged", "collective")
-
-
-def batch_sizes(text: str) -> list[int]:
-    """`--batch-sizes 1,4,8` of the engine stages."""
-    return [int(b) for b in text.split(",")]
 
 
 def is_primary() -> bool:
@@ -60,6 +56,26 @@ class Session:
         if self.ep is not None:
             p.update(ep_size=self.ep.world_size, collective=self.ep.collective_backend)
         return p
+
+
+def engine_args(doc: str) -> argparse.ArgumentParser:
+    """The command line every engine stage takes."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--checkpoint", required=True, type=Path)
+    ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--backend", required=True, choices=BACKENDS)
+    ap.add_argument("--batch-sizes", required=True, type=lambda text: [int(b) for b in text.split(",")])
+    return ap
+
+
+@contextlib.contextmanager
+def engine_stage(kind: str, args: argparse.Namespace):
+    """The stage record `<kind>-<backend>` around an engine session (one process group per backend:
+    the model is loaded once for every batch size)."""
+    with Stage(args.evidence, f"{kind}-{args.backend}", primary=is_primary()) as st, \
+            open_session(args.checkpoint, args.evidence, args.backend) as s:
+        st.params.update(s.params, batch_sizes=args.batch_sizes)
+        yield st, s
 
 
 @contextlib.contextmanager

@@ -8,11 +8,9 @@ marks are CUDA events. Rows must agree before any figure is written; bad samples
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -20,8 +18,8 @@ from engine.checkpoint import CheckpointError
 from engine.generate import generate
 from workflow.benchstats import BenchError, summarize_cell
 from workflow.checkpoints import CheckpointInvalid
-from workflow.evidence import Stage, read_json, sha256_bytes
-from workflow.session import BACKENDS, Session, batch_sizes, is_primary, open_session
+from workflow.evidence import read_json, sha256_bytes
+from workflow.session import Session, engine_args, engine_stage
 
 
 class Marks:
@@ -90,16 +88,9 @@ def bench_batch(s: Session, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("--backend", required=True, choices=BACKENDS)
-    ap.add_argument("--batch-sizes", required=True, type=batch_sizes)
-    args = ap.parse_args(argv)
+    args = engine_args(__doc__).parse_args(argv)
     try:
-        with Stage(args.evidence, f"bench-{args.backend}", primary=is_primary()) as st, \
-                open_session(args.checkpoint, args.evidence, args.backend) as s:
-            st.params.update(s.params, batch_sizes=args.batch_sizes)
+        with engine_stage("bench", args) as (st, s):
             env = read_json(args.evidence / "env.json")
             versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
             model = {n: f["sha256"] for n, f in read_json(args.evidence / "checkpoint.json")["files"].items()}

@@ -7,18 +7,16 @@ backends run under torchrun; rank 0 writes.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from engine.checkpoint import CheckpointError
 from engine.generate import generate
 from workflow.checkpoints import CheckpointInvalid
-from workflow.evidence import Stage, text_sha256, token_sha256
+from workflow.evidence import text_sha256, token_sha256
 from workflow.traces import first_difference, token_at
-from workflow.session import BACKENDS, Session, batch_sizes, is_primary, open_session
+from workflow.session import Session, engine_args, engine_stage
 
 
 def first_row_mismatch(rows: list[list[int]]) -> dict | None:
@@ -49,17 +47,9 @@ def run_batch(s: Session, batch: int, label: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("--backend", required=True, choices=BACKENDS)
-    ap.add_argument("--batch-sizes", required=True, type=batch_sizes)
-    args = ap.parse_args(argv)
+    args = engine_args(__doc__).parse_args(argv)
     try:
-        # One process (group) per backend: the model is loaded once for every batch size.
-        with Stage(args.evidence, f"parity-{args.backend}", primary=is_primary()) as st, \
-                open_session(args.checkpoint, args.evidence, args.backend) as s:
-            st.params.update(s.params, batch_sizes=args.batch_sizes)
+        with engine_stage("parity", args) as (st, s):
             for batch in args.batch_sizes:
                 label = f"{args.backend}-b{batch}"
                 cases = run_batch(s, batch, label)
