@@ -82,18 +82,8 @@ class LatentCache:
         return cls(a.num_hidden_layers, max_rows, max_len, a.kv_lora_rank, a.qk_rope_head_dim, w.device, w.dtype)
 
     @property
-    def max_rows(self) -> int:
-        return self.kv.shape[1]
-
-    @property
     def max_len(self) -> int:
         return self.kv.shape[2]
-
-    def reset(self, rows: torch.Tensor | None = None) -> None:
-        if rows is None:
-            self.lengths.zero_()
-        else:
-            self.lengths[rows] = 0
 
     def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """Store c_kv [B,T,R] and k_pe [B,T,Dr] of rows [B] at positions pos [B,T]."""
