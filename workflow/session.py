@@ -17,10 +17,12 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.checkpoint import load_model
+from engine.parallel import BACKENDS as EP_BACKENDS
+from engine.parallel import init_from_env
 from workflow import checkpoints, environment
 from workflow.evidence import Stage, read_config, read_json
 
-BACKENDS = ("single", "host-staged", "collective")
+BACKENDS = ("single", *EP_BACKENDS)
 
 
 def is_primary() -> bool:
@@ -48,7 +50,7 @@ class Session:
 
     @property
     def primary(self) -> bool:
-        return self.ep is None or self.ep.rank == 0
+        return is_primary()
 
     @property
     def params(self) -> dict:
@@ -90,8 +92,6 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str):
         torch.set_num_threads(1)  # the host only launches kernels: idle OpenMP workers add jitter
     ep = None
     if backend != "single":
-        from engine.parallel import init_from_env
-
         ep = init_from_env(backend, device)
         device = str(ep.device)
     try:

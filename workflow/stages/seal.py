@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     scrub_logs(root)
     write_text(root / "SUMMARY.md", render(root, git))
     records = stage_records(root)
+    verdict = verdict_of(records)
 
     ids, track = None, {"status": "disabled"}
     if not args.no_tracking:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         "git": git,
         "config_sha256": config_hash(config),
         "stages": {r["name"]: r["status"] for r in records},
-        "verdict": verdict_of(records),
+        "verdict": verdict,
         "tracking": track,
     })
     if ids:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:
             print(f"[seal] MLflow: could not attach the manifest ({type(e).__name__}: {e}); "
                   f"run `python -m workflow.stages.sync {root}` later", flush=True)
-    print(f"[seal] sealed {root} (verdict {verdict_of(records)})", flush=True)
+    print(f"[seal] sealed {root} (verdict {verdict})", flush=True)
 
 
 if __name__ == "__main__":
