@@ -26,10 +26,11 @@ class Generation:
     margins: list[list[float]]  # per row, per step: top1 - top2 fp32 logit of the engine
 
 
-def _pick(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Greedy over fp32 logits [B, V]: argmax (first max on ties) and top1-top2 margin."""
+def _pick(logits: torch.Tensor, argmax=None) -> tuple[list[int], list[float]]:
+    """Greedy over fp32 logits [B, V]: argmax (first max on ties; ``argmax`` a kernel doing the same)
+    and top1-top2 margin."""
     logits = logits.float()
-    ids = torch.argmax(logits, dim=-1)
+    ids = argmax(logits) if argmax is not None else torch.argmax(logits, dim=-1)
     if logits.shape[-1] > 1:
         top2 = torch.topk(logits, 2, dim=-1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()
@@ -71,7 +72,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     done = [False] * B
 
     def emit(rows: list[int], logits: torch.Tensor) -> None:
-        ids, margins = _pick(logits)
+        ids, margins = _pick(logits, model.argmax_kernel)
         for r, t, m in zip(rows, ids, margins):
             out.tokens[r].append(t)
             out.margins[r].append(m)

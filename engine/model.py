@@ -97,6 +97,26 @@ class LatentCache:
 # ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
+class Linear(nn.Linear):
+    """nn.Linear; with a row kernel attached (engine/decode_kernels.py) inputs it admits go through it."""
+
+    rows_kernel = None  # (x [M, K], weight) -> y [M, N], or None when the kernel does not admit x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and self.bias is None:
+            y = self.rows_kernel(x.reshape(-1, x.shape[-1]), self.weight)
+            if y is not None:
+                return y.view(*x.shape[:-1], y.shape[-1])
+        return super().forward(x)
+
+
+def project_pair(x: torch.Tensor, a: Linear, b: Linear, pair_kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """a(x), b(x): two projections of one input, in one fused launch when a pair kernel admits x."""
+    if pair_kernel is not None and (ys := pair_kernel(x)) is not None:
+        return ys
+    return a(x), b(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -112,12 +132,14 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, inter, bias=bias)
-        self.up_proj = nn.Linear(dim, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, dim, bias=bias)
+        self.gate_proj = Linear(dim, inter, bias=bias)
+        self.up_proj = Linear(dim, inter, bias=bias)
+        self.down_proj = Linear(inter, dim, bias=bias)
+        self.pair_kernel = None  # gate_proj and up_proj fused (engine/decode_kernels.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_pair(x, self.gate_proj, self.up_proj, self.pair_kernel)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -131,23 +153,31 @@ class Attention(nn.Module):
         self.kv_lora_rank, self.qk_head_dim, self.scale = a.kv_lora_rank, a.qk_head_dim, a.softmax_scale
         q_out = a.num_attention_heads * a.qk_head_dim
         if a.q_lora_rank is None:
-            self.q_proj = nn.Linear(a.hidden_size, q_out, bias=False)
+            self.q_proj = Linear(a.hidden_size, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
+            self.q_a_proj = Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank)  # eps 1e-6, not rms_norm_eps (as HF)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=a.attention_bias)
+            self.q_b_proj = Linear(a.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=a.attention_bias)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank)  # eps 1e-6 (as HF)
-        self.kv_b_proj = nn.Linear(a.kv_lora_rank, a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(a.num_attention_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+        self.kv_b_proj = Linear(a.kv_lora_rank, a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim),
+                                bias=False)
+        self.o_proj = Linear(a.num_attention_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+        self.pair_kernel = None  # the first q projection and kv_a_proj_with_mqa fused (engine/decode_kernels.py)
+
+    @property
+    def q_in(self) -> Linear:
+        """The projection of q that reads the layer input."""
+        return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
 
     def forward(self, x, freqs_cis, cache: LatentCache, layer: int, rows, pos, length: int, mask):
         B, T, _ = x.shape
         H = self.n_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a = project_pair(x, self.q_in, self.kv_a_proj_with_mqa, self.pair_kernel)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(B, T, H, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe = apply_rope(q_pe, freqs_cis[:, :, None])
         k_pe = apply_rope(k_pe, freqs_cis)
@@ -252,7 +282,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(Block(args, i, ep) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.argmax_kernel = None  # greedy pick over [B, V] logits (engine/decode_kernels.py); torch.argmax if None
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # plain attribute, not a buffer: stays fp32 through model.to(dtype)

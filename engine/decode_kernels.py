@@ -1,0 +1,55 @@
+"""The engine's Triton decode path (the `triton` kernels setting): projections and the greedy pick through
+the deterministic kernels of ``kernels/``.
+
+- every bias-free projection of at most ``MAX_M`` rows goes through ``gemm_per_token``: a batched decode
+  row is then computed exactly as the same row at batch 1;
+- the two projections that read the same input (q and kv_a in attention, gate and up in an MLP) run as
+  one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
+- the greedy pick is ``argmax_batch`` (lowest index on ties, as torch.argmax).
+
+Inputs a kernel does not admit (more rows than ``MAX_M``, prefill of a long prompt, a CPU tensor
+outside the Triton interpreter) take the plain torch path.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .model import MLP, Attention, Linear, Transformer
+
+
+def enable(model: Transformer) -> Transformer:
+    """Attach the kernels to ``model`` in place. Imports Triton here, not at engine import: the
+    interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels' decorators."""
+    from kernels.argmax import argmax_batch
+    from kernels.gemv import fused_reason, gemm_per_token, gemv_fused, per_token_reason
+
+    def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        return None if per_token_reason(x, w) else gemm_per_token(x, w)
+
+    def pair(a: Linear, b: Linear):
+        """A kernel for a(x), b(x), after re-seating both weights as views of one [Na + Nb, K] tensor."""
+        if a.bias is not None or b.bias is not None or a.weight.dtype != b.weight.dtype:
+            return None
+        joined = torch.cat([a.weight, b.weight])
+        sizes = [a.weight.shape[0], b.weight.shape[0]]
+        a.weight, b.weight = (nn.Parameter(v, requires_grad=False) for v in joined.split(sizes))
+
+        def kernel(x: torch.Tensor):
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.shape[0] != 1 or fused_reason(flat[0], joined, sizes, [x.dtype] * 2):
+                return None
+            ya, yb = gemv_fused(flat[0], joined, sizes, [x.dtype] * 2)
+            return ya.view(*x.shape[:-1], -1), yb.view(*x.shape[:-1], -1)
+
+        return kernel
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.rows_kernel = rows
+        if isinstance(module, Attention):
+            module.pair_kernel = pair(module.q_in, module.kv_a_proj_with_mqa)
+        elif isinstance(module, MLP):
+            module.pair_kernel = pair(module.gate_proj, module.up_proj)
+    model.argmax_kernel = argmax_batch
+    return model
