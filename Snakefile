@@ -28,13 +28,17 @@ if not SEALED:
     include: "workflow/rules/oracle.smk"
     include: "workflow/rules/parity.smk"
     include: "workflow/rules/bench.smk"
+    include: "workflow/rules/overlap.smk"
+    include: "workflow/rules/kernels.smk"
     include: "workflow/rules/seal.smk"
 
 
 include: "workflow/rules/gate.smk"
+include: "workflow/rules/archive.smk"
 
 
 rule all:
     input:
         GATE,
+        INDEX,
     default_target: True

@@ -16,6 +16,7 @@ fused falls back to gemv_exact per segment, per-token to gemv_exact per row.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -25,8 +26,10 @@ import triton.language as tl
 from ._admit import FLOATS, device_reason, dtype_reason, interpreting
 
 BLOCK_K = 1024  # the contract's reduction slice
-BLOCK_N = 4  # rows per program: small, so K=4096 x N=2624 spreads over ~650 programs on 132 SMs
-NUM_WARPS = 4
+# One row per one-warp program: the fastest of BLOCK_N 1/2/4/8/16 x 1/2/4/8 warps on an H200 at K=4096,
+# N=2624 (kernels/bench.py --variants; with all of a row's loads issued up front it is no faster)
+BLOCK_N = 1
+NUM_WARPS = 1
 # The interpreter runs programs one by one in Python and sums each row with numpy independently of the
 # block height, so it takes taller blocks: same results, far fewer programs.
 INTERPRETER_BLOCK_N = 64
@@ -49,8 +52,8 @@ def _rows_kernel(x, w, o0, o1, o2, o3, e0, e1, e2, e3, stride_x, stride_w,
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = e3 if NSEG == 4 else (e2 if NSEG == 3 else (e1 if NSEG == 2 else e0))
     live = rows < n_rows
-    cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_K)
     for k0 in tl.static_range(0, K, BLOCK_K):  # fixed ascending order over K slices
         kk = k0 + cols
         xk = tl.load(x + m * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
@@ -110,8 +113,7 @@ def _launch(x, w, outs: Sequence[torch.Tensor], ends: Sequence[int], rows: int, 
     block_n = INTERPRETER_BLOCK_N if interpreting() else BLOCK_N
     grid = (triton.cdiv(w.shape[0], block_n), rows)
     return _rows_kernel[grid](x, w, *outs, *ends, x.stride(0) if x.dim() == 2 else 0, w.stride(0),
-                              K=K, NSEG=nseg, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
-                              num_warps=NUM_WARPS)
+                              K=K, NSEG=nseg, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)), num_warps=NUM_WARPS)
 
 
 def gemv_exact(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -141,7 +143,7 @@ def gemv_fused(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int], out_dtype
     if fused_reason(x, w, sizes, out_dtypes, block_k):
         return [gemv_exact(x, part, d, block_k) for part, d in zip(w.split(list(sizes)), out_dtypes)]
     outs = [torch.empty(n, dtype=d, device=x.device) for n, d in zip(sizes, out_dtypes)]
-    ends = torch.tensor(list(sizes)).cumsum(0).tolist()
+    ends = list(itertools.accumulate(sizes))
     _launch(x, w, outs, ends, 1, block_k)
     return outs
 

@@ -340,3 +340,22 @@ def test_agreeing_transports_add_an_exact_cell():
     result = compare(o, runs, 1e-4)
     assert result["verdict"] == "all_token_text_exact"
     assert [c["verdict"] for c in result["cells"] if c["backend"] == "host-staged vs collective"] == ["all_token_text_exact"]
+
+
+def test_kernels_settings_are_separate_cells_and_transport_pairs():
+    """The Triton decode path's runs get their own cells; transports pair within one kernels setting."""
+    o = oracle(oracle_case("a", [5, 6, 7]))
+
+    def with_kernels(r: dict, kernels: str) -> dict:
+        return {**r, "kernels": kernels}
+
+    runs = [with_kernels(run(1, run_case("a", [[5, 6, 7]]), backend="host-staged"), "torch"),
+            with_kernels(run(1, run_case("a", [[5, 6, 7]]), backend="collective"), "torch"),
+            with_kernels(run(1, run_case("a", [[5, 6, 7]]), backend="host-staged"), "triton"),
+            with_kernels(run(1, run_case("a", [[5, 6, 9]]), backend="collective"), "triton")]
+    result = compare(o, runs, NEAR_TIE)
+    transport = [c for c in result["cells"] if c["backend"] == "host-staged vs collective"]
+    assert [(c["kernels"], c["verdict"]) for c in transport] == [("torch", "all_token_text_exact"),
+                                                                 ("triton", "transport_regression")]
+    assert {c["kernels"] for c in result["cells"]} == {"torch", "triton"}
+    assert result["verdict"] == "transport_regression"

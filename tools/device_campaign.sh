@@ -16,6 +16,6 @@ timeout "$budget" python3 -m snakemake --cores all --scheduler greedy --keep-goi
   | tee "$OUT/snakemake.log"
 rc=${PIPESTATUS[0]}
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
-for f in evidence/*/*/bench/summary.csv; do echo "== $f"; cat "$f"; done
-for f in evidence/*/*/parity/comparison.json; do echo "== $f"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['verdict'], d['first_divergence'])" "$f"; done
+# the summary carries every table (parity, bench, overlap) and the verdicts
+for f in evidence/*/*/SUMMARY.md; do echo "== $f"; cat "$f"; done
 exit "$rc"

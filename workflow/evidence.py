@@ -164,6 +164,11 @@ class Stage:
         self.metrics: dict[str, float] = {}
         self.tags: dict[str, str] = {}
         self.files: list[str] = []
+        self.skipped: str | None = None
+
+    def skip(self, reason: str) -> None:
+        """Record the stage as skipped, with the reason (a GPU-only stage without a GPU): never as ok."""
+        self.skipped = reason
 
     def add_file(self, path: str | Path) -> None:
         self.files.append(Path(path).resolve().relative_to(self.dir.resolve()).as_posix())
@@ -185,7 +190,7 @@ class Stage:
             return False
         record = {
             "name": self.name,
-            "status": "ok" if exc is None else "failed",
+            "status": "failed" if exc is not None else ("skipped" if self.skipped else "ok"),
             "started_utc": self.started,
             "finished_utc": utc_now(),
             "seconds": round(time.perf_counter() - self._t0, 3),
@@ -194,6 +199,8 @@ class Stage:
             "tags": self.tags,
             "files": sorted(set(self.files)),
         }
+        if self.skipped and exc is None:
+            record["reason"] = self.skipped
         if exc is not None:
             record["error"] = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         write_json(self.dir / STAGES_DIR / f"{self.name}.json", record)

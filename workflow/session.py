@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from engine import decode_kernels
 from engine.checkpoint import load_model
 from engine.parallel import BACKENDS as EP_BACKENDS
 from engine.parallel import init_from_env
@@ -23,6 +24,12 @@ from workflow import checkpoints, environment
 from workflow.evidence import Stage, read_config, read_json
 
 BACKENDS = ("single", *EP_BACKENDS)
+KERNELS = ("torch", "triton")  # the engine's decode path: torch ops, or the Triton kernels of kernels/
+
+
+def run_name(backend: str, kernels: str) -> str:
+    """How evidence names one engine run: `single`, `single-triton`, ..."""
+    return backend if kernels == "torch" else f"{backend}-{kernels}"
 
 
 def is_primary() -> bool:
@@ -47,6 +54,7 @@ class Session:
     tokenizer: Tokenizer
     eos: list[int]
     ep: object | None
+    kernels: str
 
     @property
     def primary(self) -> bool:
@@ -54,7 +62,7 @@ class Session:
 
     @property
     def params(self) -> dict:
-        p = {"backend": self.backend, "dtype": self.config["dtype"], "device": self.device}
+        p = {"backend": self.backend, "kernels": self.kernels, "dtype": self.config["dtype"], "device": self.device}
         if self.ep is not None:
             p.update(ep_size=self.ep.world_size, collective=self.ep.collective_backend)
         return p
@@ -67,24 +75,26 @@ def engine_args(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--evidence", required=True, type=Path)
     ap.add_argument("--backend", required=True, choices=BACKENDS)
     ap.add_argument("--batch-sizes", required=True, type=lambda text: [int(b) for b in text.split(",")])
+    ap.add_argument("--kernels", default="torch", choices=KERNELS)
     return ap
 
 
 @contextlib.contextmanager
 def engine_stage(kind: str, args: argparse.Namespace):
-    """The stage record `<kind>-<backend>` around an engine session (one process group per backend:
+    """The stage record `<kind>-<run name>` around an engine session (one process group per run:
     the model is loaded once for every batch size)."""
-    with Stage(args.evidence, f"{kind}-{args.backend}", primary=is_primary()) as st, \
-            open_session(args.checkpoint, args.evidence, args.backend) as s:
+    with Stage(args.evidence, f"{kind}-{run_name(args.backend, args.kernels)}", primary=is_primary()) as st, \
+            open_session(args.checkpoint, args.evidence, args.backend, args.kernels) as s:
         st.params.update(s.params, batch_sizes=args.batch_sizes)
         yield st, s
 
 
 @contextlib.contextmanager
-def open_session(ckpt_dir: Path, evidence: Path, backend: str):
-    """Verify the checkpoint against checkpoint.json, join the EP group, load the engine."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "torch"):
+    """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
+    Triton decode path when kernels is `triton`)."""
+    if backend not in BACKENDS or kernels not in KERNELS:
+        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS} and {KERNELS}")
     config = read_config(evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
@@ -96,9 +106,13 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str):
         device = str(ep.device)
     try:
         model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[config["dtype"]], ep=ep)
+        if kernels == "triton":
+            if device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly, but the same code)
+                os.environ.setdefault("TRITON_INTERPRET", "1")
+            decode_kernels.enable(model)
         # The tokenizer library itself (not transformers): the engine path imports no transformers code.
         tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
-        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep)
+        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels)
     finally:
         if ep is not None:
             ep.close()

@@ -54,12 +54,14 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "",
         f"### Parity (near-tie margin {comparison['near_tie_margin']:g})",
         "",
-        markdown(["backend", "batch", "case", "verdict", "first divergence"], [
-            [c["backend"], c["batch"], c["case"], f"`{c['verdict']}`", _divergence(c["first_divergence"])]
+        markdown(["backend", "kernels", "batch", "case", "verdict", "first divergence"], [
+            [c["backend"], c.get("kernels", "torch"), c["batch"], c["case"], f"`{c['verdict']}`",
+             _divergence(c["first_divergence"])]
             for c in comparison["cells"]
         ]),
         "",
         *bench_section(root),
+        *overlap_section(root),
         "### Claim boundary",
         "",
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
@@ -100,4 +102,47 @@ def bench_section(root: Path) -> list[str]:
             [[c["backend"], c["batch"], c["claim"],
               "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
              for c in baseline["cells"]]), ""]
+    return out
+
+
+def overlap_section(root: Path) -> list[str]:
+    """The overlap A/B screen (overlap/screen.json): bitwise counts, then medians per envelope or why not."""
+    if not (root / "overlap/screen.json").is_file():
+        return []
+    s = read_json(root / "overlap/screen.json")
+    sh, bw, tm = s["shapes"], s["bitwise"], s["timing"]
+    graph = ("" if bw["graph_equal_eager"] is None
+             else f"; graph replay of A = eager A on {bw['graph_equal_eager']}/{bw['inputs']}")
+    out = [
+        f"### Overlap A/B screen (K={sh['K']} → {'+'.join(map(str, sh['segments']))} "
+        f"({'/'.join(sh['segment_dtypes'])}) beside a GEMM K={sh['K']} → {sh['gemm_n']}, {sh['dtype']}"
+        + (f"; {sh['source']} shapes" if sh["source"] != "config" else "") + ")",
+        "",
+        f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.",
+        "",
+        f"- A: {s['variants']['A']}",
+        f"- B: {s['variants']['B']}",
+        "",
+        f"Bitwise: every output of A and B equal on {bw['all_outputs_equal']}/{bw['inputs']} freshly drawn input "
+        f"sets{graph}.",
+        "",
+    ]
+    if not tm["measured"]:
+        return out + [f"Timing not measured: {tm['reason']}.", "", "![overlap screen](plots/overlap.png)", ""]
+
+    def cell(v: dict) -> str:
+        return f"{v['median_us']:.2f} ({v['p10_us']:.2f}–{v['p90_us']:.2f})"
+
+    out += [
+        f"CUDA graph replays, {tm['trials']} trials per variant and envelope after {tm['warmup']} warm-up, A and B "
+        f"interleaved; scrubbed = {tm['flush_bytes'] / 2**20:.0f} MiB written (≥ 2× L2) before each trial. "
+        f"Claims need |B/A − 1| > {tm['noise'] * 100:g}% and neither variant noisy.",
+        "",
+        markdown(["envelope", "A median µs (p10–p90)", "B median µs (p10–p90)", "B/A", "claim", "reason"], [
+            [env, cell(e["A"]), cell(e["B"]), f"{e['ratio_b_over_a']:.3f}", e["claim"], e["reason"] or ""]
+            for env, e in tm["envelopes"].items()]),
+        "",
+        "![overlap A/B timings](plots/overlap.png)",
+        "",
+    ]
     return out

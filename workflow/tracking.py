@@ -93,7 +93,7 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
             files = [root / f for f in rec["files"]] + [root / "stages" / f"{name}.json"]
             metrics = {**rec.get("metrics", {}), "seconds": rec["seconds"]}
             _log_run(c, child.info.run_id, rec.get("params", {}), metrics, {}, files, root)
-            c.set_terminated(child.info.run_id, "FINISHED" if rec["status"] == "ok" else "FAILED")
+            c.set_terminated(child.info.run_id, "FAILED" if rec["status"] == "failed" else "FINISHED")  # skipped: tag evident.status
         children[name] = child.info.run_id
 
     if parent.info.status != "FINISHED":

@@ -7,22 +7,23 @@ rule bench:
         record=rules.record_checkpoint.output,
         env=rules.context.output.env,
     output:
-        [f"{E}/bench/{{backend}}-b{b}.json" for b in config["bench"]["batch_sizes"]],
+        [f"{E}/bench/{{run}}-b{b}.json" for b in config["bench"]["batch_sizes"]],
     wildcard_constraints:
-        backend="single|host-staged|collective",
+        run="single|host-staged|collective",
     # All cores: no other job runs beside a timing run (Snakemake's way to make a job exclusive).
     threads: workflow.cores
     params:
         launch=launcher,
         ev=evidence_dir,
         batch_sizes=",".join(map(str, config["bench"]["batch_sizes"])),
+        kernels=config["bench"]["kernels"],
     log:
-        f"{E}/logs/bench-{{backend}}.log",
+        f"{E}/logs/bench-{{run}}.log",
     benchmark:
-        f"{E}/logs/bench-{{backend}}.benchmark.tsv"
+        f"{E}/logs/bench-{{run}}.benchmark.tsv"
     shell:
         "{params.launch} -m workflow.stages.bench --checkpoint {input.ckpt} --evidence {params.ev} "
-        "--backend {wildcards.backend} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
+        "--backend {wildcards.run} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 
 rule bench_report:

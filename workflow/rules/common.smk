@@ -28,8 +28,19 @@ def checkpoint_dir():
 
 
 CKPT = checkpoint_dir()
-PARITY = [f"{E}/parity/{b}-b{n}.json" for b in config["parity"]["backends"] for n in config["parity"]["batch_sizes"]]
+# An engine run is a backend, `-triton` added when the engine decodes through the Triton kernels.
+PARITY_RUNS = [b if k == "torch" else f"{b}-{k}" for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
+PARITY = [f"{E}/parity/{r}-b{n}.json" for r in PARITY_RUNS for n in config["parity"]["batch_sizes"]]
 BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
+
+
+def backend_of(wildcards):
+    """The backend of a rule's `run` wildcard (single, host-staged or collective, maybe `-triton`)."""
+    return wildcards.run.removesuffix("-triton")
+
+
+def kernels_of(wildcards):
+    return "triton" if wildcards.run.endswith("-triton") else "torch"
 
 
 def launcher(wildcards, threads):
@@ -37,7 +48,7 @@ def launcher(wildcards, threads):
 
     The job's threads are shared among the ranks: oversubscribed cores make gloo crawl.
     """
-    if wildcards.backend == "single":
+    if backend_of(wildcards) == "single":
         return PY
     n = config["parallel"]["ep_size"]
     return f"OMP_NUM_THREADS={max(1, threads // n)} {PY} -m torch.distributed.run --standalone --nproc-per-node {n}"

@@ -1,4 +1,5 @@
-# Engine runs per backend (one job loops over the batch sizes), then the comparison against the oracle.
+# Engine runs per backend and kernels setting (one job loops over the batch sizes), then the comparison
+# against the oracle.
 
 
 rule parity:
@@ -6,22 +7,24 @@ rule parity:
         ckpt=CKPT,
         record=rules.record_checkpoint.output,
     output:
-        [f"{E}/parity/{{backend}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
+        [f"{E}/parity/{{run}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
-        backend="single|host-staged|collective",
+        run="(single|host-staged|collective)(-triton)?",
     # one core per rank, so Snakemake does not run more processes than cores beside it
-    threads: lambda wildcards: 1 if wildcards.backend == "single" else config["parallel"]["ep_size"]
+    threads: lambda wildcards: 1 if backend_of(wildcards) == "single" else config["parallel"]["ep_size"]
     params:
         launch=launcher,
         ev=evidence_dir,
+        backend=backend_of,
+        kernels=kernels_of,
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
-        f"{E}/logs/parity-{{backend}}.log",
+        f"{E}/logs/parity-{{run}}.log",
     benchmark:
-        f"{E}/logs/parity-{{backend}}.benchmark.tsv"
+        f"{E}/logs/parity-{{run}}.benchmark.tsv"
     shell:
         "{params.launch} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
-        "--backend {wildcards.backend} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
+        "--backend {params.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 
 rule compare:

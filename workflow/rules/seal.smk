@@ -8,6 +8,8 @@ rule seal:
         rules.oracle.output,
         rules.compare.output,
         rules.bench_report.output,
+        rules.overlap.output.screen,
+        rules.kernel_audit.output,
     output:
         summary=f"{E}/SUMMARY.md",
         manifest=f"{E}/MANIFEST.json",

@@ -11,23 +11,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from workflow import benchstats
-from workflow.evidence import MANIFEST, Stage, read_json, write_text
+from workflow import archive, benchstats
+from workflow.evidence import Stage, read_json, write_text
 
 
 def resolve_baseline(ref: str, evidence: Path) -> Path:
-    p = Path(ref)
-    if p.is_dir():
-        if not (p / MANIFEST).is_file():
-            raise FileNotFoundError(f"bench.baseline {p} is not sealed (no {MANIFEST})")
-        return p
-    matches = sorted(d for d in evidence.parent.iterdir() if d.name.startswith(ref) and d != evidence)
-    if len(matches) != 1:
-        found = "no evidence directory" if not matches else f"{len(matches)} directories ({', '.join(m.name for m in matches)})"
-        raise FileNotFoundError(f"bench.baseline {ref!r}: {found} matches under {evidence.parent}; give a path or a longer id")
-    if not (matches[0] / MANIFEST).is_file():
-        raise FileNotFoundError(f"bench.baseline {matches[0]} is not sealed (no {MANIFEST})")
-    return matches[0]
+    """A sealed directory of this campaign other than the current one (the archive's id rules)."""
+    try:
+        return archive.resolve(ref, evidence.parent.parent, campaign=evidence.parent.name, exclude=evidence,
+                               sealed=True)
+    except archive.NotFound as e:
+        raise archive.NotFound(f"bench.baseline: {e}") from None
 
 
 def compare_to(cells: list[dict], base_dir: Path) -> list[dict]:

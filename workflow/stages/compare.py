@@ -55,12 +55,22 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     return verdict, div
 
 
+def kernels_of(run: dict) -> str:
+    return run.get("kernels", "torch")
+
+
+def label(run: dict) -> str:
+    """As the run's file is named: parity/<backend>[-triton]-b<B>.json."""
+    kernels = kernels_of(run)
+    return f"{run['backend']}{'' if kernels == 'torch' else '-' + kernels}-b{run['batch']}"
+
+
 def transport_cells(runs: list[dict]) -> list[dict]:
-    """host-staged against collective, per batch size and case (row 0 of each)."""
-    by = {(r["backend"], r["batch"]): {c["name"]: c for c in r["cases"]} for r in runs}
+    """host-staged against collective, per kernels setting, batch size and case (row 0 of each)."""
+    by = {(r["backend"], kernels_of(r), r["batch"]): {c["name"]: c for c in r["cases"]} for r in runs}
     out = []
-    for (backend, batch), cases in sorted(by.items()):
-        other = by.get((TRANSPORTS[1], batch))
+    for (backend, kernels, batch), cases in sorted(by.items()):
+        other = by.get((TRANSPORTS[1], kernels, batch))
         if backend != TRANSPORTS[0] or other is None:
             continue
         for name, case in cases.items():
@@ -69,7 +79,7 @@ def transport_cells(runs: list[dict]) -> list[dict]:
             if step is not None:
                 div = {"case": name, "row": 0, "step": step,
                        "host_staged_token": token_at(a, step), "collective_token": token_at(b, step)}
-            out.append({"backend": "host-staged vs collective", "batch": batch, "case": name,
+            out.append({"backend": "host-staged vs collective", "kernels": kernels, "batch": batch, "case": name,
                         "verdict": "transport_regression" if div else "all_token_text_exact", "first_divergence": div})
     return out
 
@@ -82,12 +92,12 @@ def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
     for run in runs:
         names = sorted(c["name"] for c in run["cases"])
         if names != sorted(by_name):
-            raise HashMismatch(f"{run['backend']}-b{run['batch']}: cases {names} differ from the oracle's {sorted(by_name)}")
+            raise HashMismatch(f"{label(run)}: cases {names} differ from the oracle's {sorted(by_name)}")
         for case in run["cases"]:
             for r, row in enumerate(case["rows"]):
-                check_hashes(f"{run['backend']}-b{run['batch']} case {case['name']} row {r}", row)
+                check_hashes(f"{label(run)} case {case['name']} row {r}", row)
             verdict, div = compare_case(by_name[case["name"]], case, near_tie)
-            cells.append({"backend": run["backend"], "batch": run["batch"], "case": case["name"],
+            cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
                           "verdict": verdict, "first_divergence": div})
     cells += transport_cells(runs)
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))
@@ -102,7 +112,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("runs", nargs="+", type=Path, help="parity/<backend>-b<B>.json files")
+    ap.add_argument("runs", nargs="+", type=Path, help="parity/<run>-b<B>.json files")
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     margin = config["parity"].get("near_tie_margin")

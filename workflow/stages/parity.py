@@ -1,6 +1,7 @@
 """Stage `parity`: the engine's own greedy generation, `batch` copies of each case's prompt.
 
-For each batch size B writes parity/<backend>-b<B>.json with every row's ids, text and hashes.
+For each batch size B writes parity/<run>-b<B>.json (run: the backend, `-triton` added for the engine's
+Triton decode path) with every row's ids, text and hashes.
 Rows of a same-prompt batch must be identical; the comparison stage checks that first. EP
 backends run under torchrun; rank 0 writes.
 """
@@ -16,7 +17,7 @@ from engine.generate import generate
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import text_sha256, token_sha256
 from workflow.traces import first_difference, token_at
-from workflow.session import Session, engine_args, engine_stage
+from workflow.session import Session, engine_args, engine_stage, run_name
 
 
 def first_row_mismatch(rows: list[list[int]]) -> dict | None:
@@ -51,13 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with engine_stage("parity", args) as (st, s):
             for batch in args.batch_sizes:
-                label = f"{args.backend}-b{batch}"
+                label = f"{run_name(args.backend, args.kernels)}-b{batch}"
                 cases = run_batch(s, batch, label)
                 st.write_json(f"parity/{label}.json", {"engine": "evident engine (engine/)", **s.params,
                                                         "batch": batch, "cases": cases})
                 st.metrics[f"b{batch}_rows_identical"] = float(all(c["rows_identical"] for c in cases))
     except (CheckpointError, CheckpointInvalid) as e:
-        sys.exit(f"[parity {args.backend}] error: {e}")
+        sys.exit(f"[parity {run_name(args.backend, args.kernels)}] error: {e}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Resource audit: registers, spills and shared memory of every kernel as Triton compiled it.
+
+Each kernel is launched once at the shapes a model needs (its K values, its vocabulary) and the figures
+are read from the compiled kernel Triton returns. Spilled registers go to local memory, the slow path a
+memory-bound kernel cannot afford: the audit fails on any spill. The interpreter compiles nothing, so
+on a CPU there is nothing to audit.
+
+    python -m kernels.audit --k 2048,1408 --vocab 102400
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from . import argmax, gemv
+
+
+def resources(name: str, compiled, **shape) -> dict:
+    """What Triton's compiled metadata says of one specialisation."""
+    meta = compiled.metadata
+    return {"kernel": name, **shape, "registers": int(compiled.n_regs), "spills": int(compiled.n_spills),
+            "shared_bytes": int(meta.shared), "num_warps": int(meta.num_warps)}
+
+
+def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list[dict]:
+    """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g, device=device).to(dt)
+
+    rows, n = [], 64
+    name = f"{dtype}".removeprefix("torch.")
+    for k in sorted(set(ks)):
+        x, w = rand(k), rand(n, k)
+        out = torch.empty(n, dtype=dtype, device=device)
+        rows.append(resources("gemv_exact", gemv._launch(x, w, [out], [n], 1, gemv.BLOCK_K), K=k, dtype=name))
+        xm = rand(gemv.MAX_M, k)
+        outm = torch.empty(gemv.MAX_M, n, dtype=dtype, device=device)
+        rows.append(resources("gemm_per_token", gemv._launch(xm, w, [outm], [n], gemv.MAX_M, gemv.BLOCK_K),
+                              K=k, dtype=name))
+        halves = [torch.empty(n // 2, dtype=dtype, device=device) for _ in range(2)]
+        rows.append(resources("gemv_fused", gemv._launch(x, w, halves, [n // 2, n], 1, gemv.BLOCK_K),
+                              K=k, dtype=name, segments=2))
+    # the DeepSeek-V4 C4 auxiliary shape: three segments with fp32/fp32/fp16 outputs
+    x, w = rand(4096, dt=torch.float16), rand(96, 4096, dt=torch.float16)
+    outs = [torch.empty(32, dtype=d, device=device) for d in (torch.float32, torch.float32, torch.float16)]
+    rows.append(resources("gemv_fused", gemv._launch(x, w, outs, [32, 64, 96], 1, gemv.BLOCK_K),
+                          K=4096, dtype="float16", segments=3))
+    for dt in (torch.float32, dtype):
+        logits = rand(8, vocab, dt=dt)
+        out = torch.empty(8, dtype=torch.int64, device=device)
+        rows.append(resources("argmax_batch", argmax._launch(logits, out), V=vocab, dtype=f"{dt}".removeprefix("torch.")))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--k", default="2048,1408,10944,512", help="comma-separated K values")
+    ap.add_argument("--vocab", type=int, default=102400)
+    args = ap.parse_args(argv)
+    rows = audit([int(k) for k in args.k.split(",")], args.vocab)
+    print(json.dumps(rows, indent=1))
+    if any(r["spills"] for r in rows):
+        raise SystemExit("audit failed: some kernel spills registers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""The evidence archive (workflow/archive.py) and the `evident` CLI (workflow/cli.py).
+
+Fast tests use directories built by hand (tests/handbuilt.py); the slow ones run the default
+campaign once for the module and use what the pipeline wrote: its directory, the HTML archive that
+`rule all` builds, the MLflow store and `snakemake --report`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import handbuilt
+import headless
+from workflow import archive, cli
+from workflow.evidence import MANIFEST, write_json, write_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+
+
+def evident(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def arch(tmp_path, monkeypatch):
+    """An archive in a working directory, the way a user has it: ./evidence/<campaign>/<id>/."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = Path("evidence")
+    handbuilt.build(root, "tiny", "aaaaaaa-c11111111-r1", created="2026-01-01T00:00:00Z", plot=False)
+    handbuilt.build(root, "tiny", "aaaaaaa-c22222222-r1", created="2026-01-02T00:00:00Z", plot=False,
+                    verdict="near_tie_divergence")
+    handbuilt.build(root, "gpu", "bbbbbbb-c33333333-r1", created="2026-01-03T00:00:00Z", plot=False)
+    handbuilt.build(root, "tiny", "ccccccc-c44444444-r1", created="2026-01-04T00:00:00Z", plot=False, seal=False)
+    return root
+
+
+# --- resolving ids -------------------------------------------------------------------------
+
+def test_resolve_abbreviated_ids(arch):
+    assert archive.resolve("bbb", arch) == arch / "gpu/bbbbbbb-c33333333-r1"
+    assert archive.resolve("aaaaaaa-c1", arch) == arch / "tiny/aaaaaaa-c11111111-r1"
+    assert archive.resolve("tiny/aaaaaaa-c2", arch) == arch / "tiny/aaaaaaa-c22222222-r1"
+    assert archive.resolve("evidence/tiny/aaaaaaa-c2", arch) == arch / "tiny/aaaaaaa-c22222222-r1"  # a path prefix
+    assert archive.resolve("evidence/gpu/bbbbbbb-c33333333-r1", arch) == arch / "gpu/bbbbbbb-c33333333-r1"
+    with pytest.raises(archive.NotFound) as e:
+        archive.resolve("aaa", arch)
+    assert str(e.value) == ("'aaa' matches 2 directories under evidence/ (tiny/aaaaaaa-c11111111-r1, "
+                            "tiny/aaaaaaa-c22222222-r1); give a longer id")
+    with pytest.raises(archive.NotFound, match="no evidence directory matches 'tiny/bbb' under evidence/tiny/"):
+        archive.resolve("tiny/bbb", arch)
+    with pytest.raises(archive.NotFound, match="not sealed"):
+        archive.resolve("ccc", arch, sealed=True)
+    with pytest.raises(archive.NotFound, match="no evidence directory matches ''"):
+        archive.resolve("", arch)
+
+
+def test_an_exact_id_wins_over_longer_ids_it_prefixes(arch):
+    handbuilt.build(arch, "tiny", "aaaaaaa-c11111111-r10", plot=False)
+    assert archive.resolve("aaaaaaa-c11111111-r1", arch).name == "aaaaaaa-c11111111-r1"
+    assert archive.resolve("aaaaaaa-c11111111-r10", arch).name == "aaaaaaa-c11111111-r10"
+
+
+def test_bench_baseline_uses_the_archive_rules(arch):
+    from workflow.stages.bench_report import resolve_baseline
+
+    current = arch / "tiny/aaaaaaa-c22222222-r1"
+    assert resolve_baseline("aaa", current) == arch / "tiny/aaaaaaa-c11111111-r1"  # itself is excluded
+    with pytest.raises(FileNotFoundError, match="bench.baseline: no evidence directory matches 'bbb'"):
+        resolve_baseline("bbb", current)  # other campaigns are not searched
+
+
+# --- ls, show --------------------------------------------------------------------------------
+
+def test_ls_lists_newest_first_with_each_verdict(arch, capsys):
+    code, out, _ = evident(capsys, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["campaign", "id", "created", "(UTC)", "commit", "device", "parity", "mlflow", "state"]
+    ids = [line.split()[1] for line in lines[2:]]
+    assert ids == ["ccccccc-c44444444-r1", "bbbbbbb-c33333333-r1", "aaaaaaa-c22222222-r1", "aaaaaaa-c11111111-r1"]
+    assert "near_tie_divergence" in lines[4] and "pending" in lines[4] and "2026-01-02 00:00:00Z" in lines[4]
+    assert lines[2].split()[-1] == "unsealed"  # its stage records give its date: it is the newest
+    code, out, _ = evident(capsys, "ls", "--campaign", "gpu")
+    assert code == 0 and "bbbbbbb" in out and "aaaaaaa" not in out
+    code, _, err = evident(capsys, "ls", "--campaign", "nope")
+    assert code == 2 and "no campaign 'nope' under evidence/" in err
+
+
+def test_show_prints_the_summary_and_errors_name_what_was_not_found(arch, capsys):
+    code, out, _ = evident(capsys, "show", "aaaaaaa-c2")
+    assert code == 0
+    assert "tiny/aaaaaaa-c22222222-r1" in out and "parity: near_tie_divergence" in out
+    assert "### Claim boundary" in out and "bench-report" in out
+    code, out, err = evident(capsys, "show", "nope")
+    assert code == 2 and out == ""
+    assert err.strip() == "evident: no evidence directory matches 'nope' under evidence/"
+    code, _, err = evident(capsys, "show", "aaa")
+    assert code == 2 and "matches 2 directories" in err
+    code, out, _ = evident(capsys, "show", "ccc")
+    assert code == 0 and "unsealed" in out
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+def test_verify_reports_changed_missing_and_extra_files(arch, capsys):
+    assert evident(capsys, "verify", "--all")[:2] == (0, "ok    gpu/bbbbbbb-c33333333-r1\nok    tiny/aaaaaaa-c11111111-r1\n"
+                                                     "ok    tiny/aaaaaaa-c22222222-r1\nskip  tiny/ccccccc-c44444444-r1: not sealed\n")
+    ev = arch / "tiny/aaaaaaa-c11111111-r1"
+    data = bytearray((ev / "bench/summary.csv").read_bytes())
+    data[5] ^= 1  # one flipped bit, same size
+    (ev / "bench/summary.csv").write_bytes(bytes(data))
+    code, out, _ = evident(capsys, "verify", "aaaaaaa-c1")
+    assert code == 1 and out == "FAIL  tiny/aaaaaaa-c11111111-r1: changed bench/summary.csv\n"
+    (ev / "parity/comparison.json").unlink()
+    (ev / "notes.txt").write_text("added later\n")
+    result = archive.verify(ev)
+    assert result == {"missing": ["parity/comparison.json"], "extra": ["notes.txt"], "changed": ["bench/summary.csv"],
+                      "problems": []}
+    code, out, _ = evident(capsys, "verify", "--all")
+    assert code == 1 and out.count("ok    ") == 2 and "missing parity/comparison.json" in out and "extra notes.txt" in out
+    code, out, _ = evident(capsys, "verify", "ccc")
+    assert code == 1 and "not sealed" in out
+    code, _, err = evident(capsys, "verify")
+    assert code == 2 and "--all" in err
+
+
+def test_verify_reports_a_renamed_directory(arch):
+    ev = arch / "gpu/bbbbbbb-c33333333-r1"
+    moved = ev.rename(ev.with_name("bbbbbbb-c99999999-r1"))
+    assert archive.verify(moved)["problems"] == ["directory renamed: the manifest names it bbbbbbb-c33333333-r1"]
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+def test_diff_claims_only_where_the_bench_rule_allows(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    base = handbuilt.build(root, "tiny", "aaaaaaa-c1-r1", plot=False, cells=[
+        handbuilt.cell(batch=1, tpot=10.0), handbuilt.cell(batch=4, tpot=10.0), handbuilt.cell(batch=8, tpot=10.0)])
+    new = handbuilt.build(root, "tiny", "bbbbbbb-c1-r1", plot=False, verdict="engine_accuracy_gap", cells=[
+        handbuilt.cell(batch=1, tpot=8.0),                     # same contract, quiet: a claim
+        handbuilt.cell(batch=4, tpot=8.0, new_tokens=6),       # another contract: no claim at all
+        handbuilt.cell(batch=8, tpot=8.0, spread=0.1)])        # noisy: no claim
+    d = archive.diff(archive.load(base), archive.load(new))
+    bench = {c["batch"]: c for c in d["bench"]}
+    assert bench[1]["claim"] == "faster" and bench[1]["tpot_p50_change_pct"] == pytest.approx(-20.0)
+    assert bench[4]["claim"] == "no directional claim" and "contract differs (keys new_tokens)" in bench[4]["reason"]
+    assert bench[4]["tpot_p50_change_pct"] is None  # no percentage between different experiments
+    assert bench[8]["claim"] == "no directional claim" and "current cell noisy" in bench[8]["reason"]
+    assert {"what": "gate parity", "a": "all_token_text_exact", "b": "engine_accuracy_gap"} in d["verdicts"]
+    assert {"what": "parity single b1 greeting", "a": "all_token_text_exact", "b": "engine_accuracy_gap"} in d["verdicts"]
+    assert {"metric": "bench-single.b1_tpot_p50_ms", "a": 10.0, "b": 8.0, "delta": -2.0,
+            "delta_pct": pytest.approx(-20.0)} in d["metrics"]
+
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert code == 0
+    assert "nothing: same campaign, config, versions and checkpoint" in out
+    row = next(line for line in out.splitlines() if line.startswith("single") and "faster" in line)
+    assert row.split()[:5] == ["single", "1", "10", "8", "-20.0%"]
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--json")
+    assert code == 0 and json.loads(out)["bench"][0]["claim"] == "faster"
+
+
+def test_diff_refuses_a_claim_across_versions_and_names_what_differs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    handbuilt.build(root, "tiny", "aaaaaaa-c1-r1", plot=False)
+    newer = handbuilt.cell(tpot=5.0)
+    newer["versions"]["torch"] = "2.14.0"
+    handbuilt.build(root, "tiny", "bbbbbbb-c1-r1", plot=False, cells=[newer], versions={"torch": "2.14.0"})
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert code == 0
+    assert "versions differ: torch 2.13.0+cpu vs 2.14.0" in out
+    row = next(line for line in out.splitlines() if line.startswith("single"))
+    assert "no directional claim" in row and "versions differ (torch)" in row and "faster" not in row
+
+
+# --- sync ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow SQLite store with its schema migrated once; tests copy it (saves seconds each)."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("store") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()
+    return db
+
+
+def runs_of(uri: str, campaign: str) -> list:
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name(campaign)
+    return [] if exp is None else c.search_runs([exp.experiment_id], run_view_type=ViewType.ALL, max_results=1000)
+
+
+@pytest.mark.timeout(120)
+def test_sync_fills_pending_tracking_once(arch, capsys, empty_store):
+    shutil.copyfile(empty_store, "mlflow.db")
+    uri = "sqlite:///mlflow.db"
+    code, out, _ = evident(capsys, "sync", "bbb", "--tracking-uri", uri)
+    assert code == 0 and out.startswith("ok    gpu/bbbbbbb-c33333333-r1: experiment")
+    first = {r.info.run_id: r.info.status for r in runs_of(uri, "gpu")}
+    assert len(first) == 1 + 3 and set(first.values()) == {"FINISHED"}  # parent + one run per stage
+    record = json.loads(Path(".evident/tracking/bbbbbbb-c33333333-r1.json").read_text())
+    assert record["parent_run_id"] in first
+    code, out, _ = evident(capsys, "ls", "--campaign", "gpu")
+    assert "synced" in out  # the sealed manifest still says pending; the sync record says it was filled
+
+    code, out, _ = evident(capsys, "sync", "bbb", "--tracking-uri", uri)  # twice: nothing new
+    assert code == 0
+    assert {r.info.run_id: r.info.status for r in runs_of(uri, "gpu")} == first
+    from workflow.stages import sync  # the stage is the same code
+
+    with pytest.raises(SystemExit) as e:
+        sync.main([str(archive.resolve("bbb")), "--tracking-uri", uri])
+    assert e.value.code == 0
+    assert {r.info.run_id: r.info.status for r in runs_of(uri, "gpu")} == first
+
+    code, out, _ = evident(capsys, "sync", "--all", "--tracking-uri", uri)
+    assert code == 0 and "skip  tiny/ccccccc-c44444444-r1: not sealed" in out
+    assert len(runs_of(uri, "tiny")) == 2 * 4 and len(runs_of(uri, "gpu")) == 4
+    code, out, _ = evident(capsys, "sync", "ccc", "--tracking-uri", uri)
+    assert code == 1 and "not sealed" in out
+
+
+@pytest.mark.timeout(60)
+def test_sync_to_an_unreachable_store_fails_and_keeps_evidence(arch, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = archive.verify(arch / "gpu/bbbbbbb-c33333333-r1")
+    code, out, _ = evident(capsys, "sync", "bbb", "--tracking-uri", f"http://127.0.0.1:{port}")
+    assert code == 1 and "FAIL  gpu/bbbbbbb-c33333333-r1: tracking unreachable" in out
+    assert archive.verify(arch / "gpu/bbbbbbb-c33333333-r1") == before
+    assert not Path(".evident/tracking/bbbbbbb-c33333333-r1.json").exists()
+
+
+# --- on evidence the pipeline built (slow) -------------------------------------------------
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(workdir), "-c2", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """The default campaign, run once for this module, in its own working directory."""
+    wd = tmp_path_factory.mktemp("archive-default")
+    r = snakemake(wd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (ev,) = [d for d in (wd / "evidence/tiny").iterdir() if d.is_dir()]
+    return wd, ev
+
+
+def run_evident(wd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The installed console script, from the working directory, as a user runs it."""
+    exe = Path(sys.executable).with_name("evident")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "workflow.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([*cmd, *args], cwd=wd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_on_pipeline_evidence(pipeline, tmp_path):
+    wd, ev = pipeline
+    r = run_evident(wd, "ls")
+    assert r.returncode == 0 and ev.name in r.stdout and "all_token_text_exact" in r.stdout and "logged" in r.stdout
+    r = run_evident(wd, "show", ev.name[:12])
+    assert r.returncode == 0 and "### Decode benchmark" in r.stdout and "parity: all_token_text_exact" in r.stdout
+    r = run_evident(wd, "verify", ev.name[:12])
+    assert r.returncode == 0 and r.stdout == f"ok    tiny/{ev.name}\n"
+
+    # a second directory of the same campaign: the same files, one bench contract changed, resealed
+    other = ev.with_name(ev.name.replace("-r1", "-r2"))
+    shutil.copytree(ev, other)
+    cell_file = other / "bench/single-b1.json"
+    cell = json.loads(cell_file.read_text())
+    cell["contract"]["new_tokens"] += 1
+    write_json(cell_file, cell)
+    manifest = json.loads((other / MANIFEST).read_text())
+    write_manifest(other, {k: v for k, v in manifest.items() if k not in ("schema_version", "sealed_utc", "files")}
+                   | {"evidence_id": other.name})
+    r = run_evident(wd, "diff", ev.name, other.name, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    claims = {(c["backend"], c["batch"]): c for c in d["bench"]}
+    assert claims[("single", 1)]["claim"] == "no directional claim"
+    assert "contract differs (keys new_tokens)" in claims[("single", 1)]["reason"]
+    assert all(c["claim"] in ("faster", "slower", "no directional claim") for c in d["bench"])
+    assert d["verdicts"] == [] and d["limits"] == []
+    r = run_evident(wd, "diff", ev.name, other.name)
+    assert r.returncode == 0 and "contract differs" in r.stdout
+    shutil.rmtree(other)
+
+    # hand-damaged copies (each in an archive of its own: a renamed copy would be reported as renamed)
+    for how, rel in (("changed", "oracle/hf.json"), ("missing", "plots/bench.png"), ("extra", "parity/extra.json")):
+        d = shutil.copytree(ev, tmp_path / how / "evidence/tiny" / ev.name)
+        if how == "changed":
+            data = bytearray((d / rel).read_bytes())
+            data[len(data) // 2] ^= 0x20  # one bit of one byte
+            (d / rel).write_bytes(bytes(data))
+        elif how == "missing":
+            (d / rel).unlink()
+        else:
+            (d / rel).write_text("{}\n")
+        r = run_evident(tmp_path / how, "verify", ev.name[:10])
+        assert (r.returncode, r.stdout) == (1, f"FAIL  tiny/{ev.name}: {how} {rel}\n")
+        assert run_evident(tmp_path / how, "verify", "--all").returncode == 1
+
+
+@pytest.mark.slow
+def test_sync_on_pipeline_evidence_creates_no_duplicate(pipeline):
+    wd, ev = pipeline
+    uri = f"sqlite:///{wd / 'mlflow.db'}"
+    manifest = json.loads((ev / MANIFEST).read_text())
+    before = {r.info.run_id for r in runs_of(uri, "tiny")}
+    for _ in range(2):
+        r = run_evident(wd, "sync", "--all")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert manifest["tracking"]["parent_run_id"] in r.stdout
+    assert {r.info.run_id for r in runs_of(uri, "tiny")} == before
+    assert len(before) == 1 + len(manifest["stages"])
+
+
+@pytest.mark.slow
+def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
+    wd, ev = pipeline
+    index, page = wd / "evidence/index.html", ev.with_name(f"{ev.name}.html")
+    assert index.is_file() and page.is_file()  # built by `rule all`, beside the sealed directory
+    assert run_evident(wd, "verify", ev.name).returncode == 0  # nothing was written inside it
+    assert headless.assert_archive_resolves(wd / "evidence") > 30
+    text = page.read_text()
+    assert str(wd) not in text and str(Path.home()) not in text
+    assert "plots/bench.png" in text and "all_token_text_exact" in text
+    if not headless.binary():
+        pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
+    for name, target, width in (("index", index, 1280), ("page", page, 1280)):
+        shot = tmp_path / f"evident-{name}.png"
+        seen = headless.load(target, shot, width)
+        print(f"screenshot of {target.name}: {shot}")
+        shutil.copyfile(shot, f"/tmp/evident-{name}.png")
+        assert seen["errors"] == [], seen["errors"]
+        assert all(img["ok"] for img in seen["images"]), seen["images"]
+        assert all(link.startswith("file://") for link in seen["links"])
+        assert shot.stat().st_size > 10_000
+    assert any(img["src"].endswith("plots/bench.png") for img in seen["images"])
+
+
+@pytest.mark.slow
+def test_rerun_has_nothing_to_do_and_snakemake_report(pipeline):
+    wd, ev = pipeline
+    index = wd / "evidence/index.html"
+    before = index.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    r = snakemake(wd)
+    print(f"no-op rerun: {time.perf_counter() - t0:.1f}s")
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr
+    assert index.stat().st_mtime_ns == before
+    r = snakemake(wd, "--report", "report.html")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = (wd / "report.html").read_text()
+    assert len(report) > 100_000  # self-contained: the files are embedded
+    for caption in ("pull-request evidence section", "seals the evidence directory", "decode throughput",
+                    "steady TPOT"):
+        assert caption in report, caption
+    for name in ("SUMMARY.md", "MANIFEST.json", "comparison.json", "summary.csv", "bench.png"):
+        assert name in report, name

@@ -1,0 +1,107 @@
+"""The static HTML archive (workflow/stages/html.py) on directories built by hand.
+
+The same checks on what the pipeline builds, and the screenshot the lead looks at, are in
+tests/test_archive.py (slow).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import handbuilt
+import headless
+from workflow import archive
+from workflow.stages import html
+
+HOSTILE = "\n### Notes\n\n- case `<script>alert(1)</script>` & \"quotes\" <b>bold?</b>\n"
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = tmp_path / "evidence"
+    handbuilt.build(root, "tiny", "aaaaaaa-c11111111-r1", created="2026-01-01T00:00:00Z",
+                    tracking={"status": "logged", "experiment_id": "3", "parent_run_id": "p" * 32,
+                              "child_run_ids": {"compare": "c" * 32}})
+    handbuilt.build(root, "tiny", "bbbbbbb-c22222222-r1", created="2026-01-02T00:00:00Z", plot=False,
+                    verdict="near_tie_divergence", summary_extra=HOSTILE)
+    handbuilt.build(root, "gpu-ep2", "ccccccc-c33333333-r1", created="2026-01-03T00:00:00Z", plot=False, seal=False)
+    return root
+
+
+def test_pages_beside_sealed_directories_relative_and_escaped(root, tmp_path):
+    written = html.write_archive(root)
+    assert sorted(p.relative_to(root).as_posix() for p in written) == [
+        "gpu-ep2/ccccccc-c33333333-r1.html", "index.html", "tiny/aaaaaaa-c11111111-r1.html",
+        "tiny/bbbbbbb-c22222222-r1.html"]
+    for ev in archive.evidence_dirs(root):  # nothing was written inside a sealed directory
+        assert archive.intact(archive.verify(ev)) or not (ev / "MANIFEST.json").exists()
+    assert headless.assert_archive_resolves(root) > 20
+    for page in written:
+        text = page.read_text()
+        assert str(tmp_path) not in text and str(Path.home()) not in text
+        assert "<script" not in text and "http" not in text  # no script, no external asset
+    hostile = (root / "tiny/bbbbbbb-c22222222-r1.html").read_text()
+    assert "<code>&lt;script&gt;alert(1)&lt;/script&gt;</code> &amp; &quot;quotes&quot; &lt;b&gt;bold?&lt;/b&gt;" in hostile
+    index = (root / "index.html").read_text()
+    # campaigns in name order, each newest first
+    assert index.index('href="gpu-ep2/ccccccc') < index.index('href="tiny/bbbbbbb') < index.index('href="tiny/aaaaaaa')
+    assert 'class="badge warn">parity: near_tie_divergence' in index
+    assert 'class="badge good">parity: all_token_text_exact' in index
+    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    assert '<img src="aaaaaaa-c11111111-r1/plots/bench.png"' in page
+    assert page.count("<img") == 1  # the summary shows the plot; it is not repeated under Plots
+
+
+def test_mlflow_links_only_to_an_http_server_and_never_its_credentials(root):
+    html.write_archive(root, tracking_uri="sqlite:////somewhere/private/mlflow.db")
+    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    assert "private" not in page and "<code>" + "p" * 32 + "</code>" in page and "mlflow ui" in page
+    html.write_archive(root, tracking_uri="https://user:secret@mlflow.example.org/prefix/")
+    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    assert "secret" not in page and "user:" not in page
+    assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"p" * 32}"' in page
+    assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"c" * 32}"' in page
+    pending = (root / "tiny/bbbbbbb-c22222222-r1.html").read_text()
+    assert "evident sync" in pending and "experiments/" not in pending
+
+
+def test_damage_is_flagged_and_stale_pages_removed(root):
+    ev = root / "tiny/aaaaaaa-c11111111-r1"
+    (ev / "parity/comparison.json").unlink()
+    (ev / "scratch.txt").write_text("x")
+    html.write_archive(root)
+    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    assert '<td>parity/comparison.json</td><td class=num>' in page and 'class="badge bad">missing' in page
+    assert 'href="aaaaaaa-c11111111-r1/scratch.txt"' in page and "not in manifest" in page
+    headless.assert_archive_resolves(root)  # a missing file is named, never linked
+
+    (root / "tiny/mine.html").write_text("<p>a page of my own</p>")
+    shutil.rmtree(root / "tiny/bbbbbbb-c22222222-r1")
+    html.write_archive(root)
+    assert not (root / "tiny/bbbbbbb-c22222222-r1.html").exists()
+    assert (root / "tiny/mine.html").exists()
+    assert "bbbbbbb" not in (root / "index.html").read_text()
+
+
+def test_empty_archive(tmp_path):
+    html.write_archive(tmp_path / "evidence")
+    assert "No evidence directories yet" in (tmp_path / "evidence/index.html").read_text()
+
+
+def test_archive_loads_in_headless_chromium(root, tmp_path):
+    if not headless.binary():
+        pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
+    html.write_archive(root)
+    for target in (root / "index.html", root / "tiny/aaaaaaa-c11111111-r1.html", root / "tiny/bbbbbbb-c22222222-r1.html"):
+        shot = tmp_path / f"{target.stem}.png"
+        seen = headless.load(target, shot)
+        print(f"screenshot of {target.relative_to(root)}: {shot}")
+        assert seen["errors"] == [], seen["errors"]
+        assert all(img["ok"] for img in seen["images"]), seen["images"]
+        assert len(seen["links"]) + len(seen["images"]) == len(headless.links_and_images(target))
+        assert shot.stat().st_size > 5_000
+    shutil.copyfile(tmp_path / "index.png", "/tmp/evident-index-handbuilt.png")

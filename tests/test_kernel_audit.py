@@ -1,0 +1,71 @@
+"""The kernel resource audit stage: model shapes from config.json; on a CPU a skipped record with the reason
+(never `ok`); on a GPU registers, spills and shared memory for every kernel."""
+import json
+
+import pytest
+import torch
+import yaml
+
+from workflow.evidence import read_json
+from workflow.stages import kernel_audit
+
+CONFIG = {"hidden_size": 2048, "kv_lora_rank": 512, "num_attention_heads": 16, "v_head_dim": 128,
+          "moe_intermediate_size": 1408, "intermediate_size": 10944, "q_lora_rank": None, "n_shared_experts": 2,
+          "vocab_size": 102400}
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    ckpt, ev = tmp_path / "ckpt", tmp_path / "ev"
+    ckpt.mkdir()
+    ev.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(CONFIG))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (ev / "config.yaml").write_text(yaml.safe_dump({"device": device, "dtype": "bfloat16"}))
+    return ckpt, ev
+
+
+def test_model_shapes(dirs):
+    ks, vocab = kernel_audit.model_shapes(dirs[0])
+    assert ks == [512, 1408, 2048, 2816, 10944] and vocab == 102400
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_cpu_records_skipped_with_reason(dirs):
+    ckpt, ev = dirs
+    kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+    record = read_json(ev / "stages/kernel-audit.json")
+    assert record["status"] == "skipped" and "no CUDA device" in record["reason"]
+    audit = read_json(ev / "kernels/audit.json")
+    assert audit["verdict"] == "not_compiled" and audit["kernels"] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a GPU")
+def test_gpu_audit_has_every_kernel_without_spills(dirs):
+    ckpt, ev = dirs
+    kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+    audit = read_json(ev / "kernels/audit.json")
+    assert {r["kernel"] for r in audit["kernels"]} == {"gemv_exact", "gemv_fused", "gemm_per_token", "argmax_batch"}
+    assert all(r["registers"] > 0 for r in audit["kernels"])
+    assert audit["verdict"] == ("spills" if any(r["spills"] for r in audit["kernels"]) else "ok")
+    assert read_json(ev / "stages/kernel-audit.json")["status"] == "ok"
+
+
+@pytest.mark.parametrize("verdict,fails", [("spills", True), ("ok", False), ("not_compiled", False)])
+def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
+    from workflow.evidence import write_json, write_manifest
+    from workflow.stages import gate
+
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    (ev / "config.yaml").write_text(yaml.safe_dump({"parity": {"require_exact": False}}))
+    write_json(ev / "kernels/audit.json", {"verdict": verdict, "kernels": []})
+    write_manifest(ev, {"evidence_id": "x", "verdict": "all_token_text_exact"})
+    args = ["--evidence", str(ev), "--out", str(tmp_path / "gate.json")]
+    if fails:
+        with pytest.raises(SystemExit, match="register spills"):
+            gate.main(args)
+        assert not (tmp_path / "gate.json").exists()
+    else:
+        gate.main(args)
+        assert read_json(tmp_path / "gate.json")["audit"] == verdict

@@ -1,0 +1,172 @@
+"""Each kernel against its torch reference on fresh random inputs, and the bitwise contracts.
+
+Without a GPU these run through the Triton interpreter (tests/conftest.py) on small, ragged shapes; with
+one they run compiled at the engine's full shapes, plus CUDA-graph capture and replay.
+"""
+import pytest
+import torch
+
+from kernels import argmax as am
+from kernels import gemv
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+LOW = [torch.float16, torch.bfloat16]
+# (K, N): ragged everywhere on the CPU; the DeepSeek-V4 C4 auxiliary and DeepSeek-V2-Lite shapes on a GPU
+SHAPES = [(4096, 2624), (2048, 2112), (1408, 2048), (10944, 2048)] if CUDA else [(100, 7), (1024, 9), (1500, 33)]
+SEGMENTS = ([2048, 512, 64], [torch.float32, torch.float32, torch.float16]) if CUDA else \
+    ([24, 8, 3], [torch.float32, torch.float32, torch.float16])
+FUSED_K = 4096 if CUDA else 1300
+VOCAB = [102400, 129280, 7] if CUDA else [5000, 4097, 7]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def fresh(*shape, dtype=torch.float16, gen=None):
+    """Fresh random values (never zeros: they hide unwritten outputs)."""
+    return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    g.seed()  # fresh inputs each run; printed on failure through the assertion messages
+    return g
+
+
+@pytest.mark.parametrize("dtype", LOW + [torch.float32])
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_gemv_exact_matches_reference(K, N, dtype, gen):
+    x, w = fresh(K, dtype=dtype, gen=gen), fresh(N, K, dtype=dtype, gen=gen)
+    assert gemv.gemv_reason(x, w) is None
+    ref = torch.mv(w.double(), x.double())
+    for out_dtype in (torch.float32, dtype):
+        y = gemv.gemv_exact(x, w, out_dtype)
+        assert y.dtype == out_dtype and y.shape == (N,) and torch.isfinite(y).all()
+        # fp32 accumulation of exact products: only the final cast rounds
+        tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+        assert rel_err(y, ref) < tol, (K, N, dtype, out_dtype)
+    # deterministic: the same inputs give the same bits
+    assert torch.equal(gemv.gemv_exact(x, w, torch.float32), gemv.gemv_exact(x, w, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_gemv_fused_bitwise_equals_split(dtype, gen):
+    sizes, out_dtypes = SEGMENTS
+    x, w = fresh(FUSED_K, dtype=dtype, gen=gen), fresh(sum(sizes), FUSED_K, dtype=dtype, gen=gen)
+    assert gemv.fused_reason(x, w, sizes, out_dtypes) is None
+    fused = gemv.gemv_fused(x, w, sizes, out_dtypes)
+    for part, d, y in zip(w.split(sizes), out_dtypes, fused):
+        assert y.dtype == d
+        assert torch.equal(y, gemv.gemv_exact(x, part, d))
+
+
+def test_gemv_fused_segment_boundaries_inside_a_block(gen):
+    """Segments of 1, 5 and 2 rows share blocks; each lands in its own output."""
+    sizes, dts = [1, 5, 2], [torch.float16, torch.float32, torch.bfloat16]
+    x, w = fresh(300, gen=gen), fresh(8, 300, gen=gen)
+    for part, d, y in zip(w.split(sizes), dts, gemv.gemv_fused(x, w, sizes, dts)):
+        assert torch.equal(y, gemv.gemv_exact(x, part, d))
+
+
+@pytest.mark.parametrize("dtype", LOW + [torch.float32])
+def test_gemm_per_token_rows_equal_m1(dtype, gen):
+    K, N = SHAPES[-1]
+    for M in (1, 3, 8, gemv.MAX_M):
+        x, w = fresh(M, K, dtype=dtype, gen=gen), fresh(N, K, dtype=dtype, gen=gen)
+        y = gemv.gemm_per_token(x, w)
+        assert y.shape == (M, N)
+        for m in range(M):
+            assert torch.equal(y[m], gemv.gemv_exact(x[m], w)), (M, m)
+
+
+def test_rejected_inputs_fall_back_and_keep_contracts(gen, monkeypatch):
+    x, w = fresh(64, gen=gen), fresh(10, 64, gen=gen)
+    # a transposed (non-contiguous) weight, fp64, a too-long K, too many segments, too many rows
+    wt = fresh(64, 10, gen=gen).t()
+    assert "contiguous" in gemv.gemv_reason(x, wt)
+    assert torch.allclose(gemv.gemv_exact(x, wt, torch.float32), gemv.gemv_reference(x, wt, torch.float32))
+    assert "dtype" in gemv.gemv_reason(x.double(), w.double())
+    assert gemv.gemv_exact(x.double(), w.double()).dtype == torch.float64
+    big_k = gemv.MAX_K + 1
+    assert "K=" in gemv.gemv_reason(fresh(big_k, gen=gen), fresh(2, big_k, gen=gen))
+    sizes = [2, 2, 2, 2, 2]
+    dts = [torch.float32] * 5
+    assert "segments" in gemv.fused_reason(x, w, sizes, dts)
+    for part, y in zip(w.split(sizes), gemv.gemv_fused(x, w, sizes, dts)):
+        assert torch.equal(y, gemv.gemv_exact(x, part, torch.float32))  # fallback: gemv_exact per segment
+    xs = fresh(gemv.MAX_M + 1, 64, gen=gen)
+    assert "M=" in gemv.per_token_reason(xs, w)
+    y = gemv.gemm_per_token(xs, w)
+    assert all(torch.equal(y[m], gemv.gemv_exact(xs[m], w)) for m in range(len(xs)))  # fallback: per row
+    # a CPU tensor outside the interpreter is not admitted
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "device cpu" in gemv.gemv_reason(x.cpu(), w.cpu())
+
+
+def test_shape_errors_are_errors_not_fallbacks(gen):
+    x, w = fresh(64, gen=gen), fresh(10, 64, gen=gen)
+    with pytest.raises(ValueError, match="expected x"):
+        gemv.gemv_exact(fresh(65, gen=gen), w)
+    with pytest.raises(ValueError, match="segments"):
+        gemv.gemv_fused(x, w, [4, 5], [torch.float32] * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("V", VOCAB)
+def test_argmax_batch_matches_torch_with_ties(dtype, V, gen):
+    B = 8
+    logits = fresh(B, V, dtype=dtype, gen=gen)
+    top = (logits.float().max() + 1).to(dtype).item()
+    logits[0] = top  # all tied: index 0
+    if V > 3:
+        logits[1, [V - 1, 2, V // 2]] = top  # ties across blocks: the lowest index wins
+        logits[2, V - 1] = top  # the maximum in the last, partial block
+    if V > 5:
+        logits[3, [5, V - 2]] = float("nan")  # NaN is the maximum, as in torch: the first NaN
+    logits[4] = float("-inf")
+    assert am.argmax_reason(logits) is None
+    got = am.argmax_batch(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.argmax(logits, dim=-1)), got.tolist()
+    if V > 3:
+        assert got[1].item() == 2 and got[2].item() == V - 1
+
+
+def test_argmax_rejects_fall_back(gen):
+    x = fresh(3, 50, dtype=torch.float32, gen=gen)
+    assert "dtype" in am.argmax_reason(x.double())
+    assert torch.equal(am.argmax_batch(x.double()), torch.argmax(x.double(), -1))
+    xt = fresh(50, 3, dtype=torch.float32, gen=gen).t()
+    assert "contiguous" in am.argmax_reason(xt)
+    assert torch.equal(am.argmax_batch(xt), torch.argmax(xt, -1))
+    assert "non-empty" in am.argmax_reason(x[0])
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_is_bitwise(gen):
+    sizes, dts = SEGMENTS
+    x, w = fresh(FUSED_K, gen=gen), fresh(sum(sizes), FUSED_K, gen=gen)
+    xs, wb = fresh(8, 2048, gen=gen), fresh(2112, 2048, gen=gen)
+    logits = fresh(8, 102400, dtype=torch.bfloat16, gen=gen)
+
+    def step():
+        return (*gemv.gemv_fused(x, w, sizes, dts), gemv.gemm_per_token(xs, wb), am.argmax_batch(logits))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):  # fresh inputs into the captured buffers, replay, compare with eager
+        for t in (x, w, xs, wb, logits):
+            t.copy_(fresh(*t.shape, dtype=t.dtype, gen=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, step()):
+            assert torch.equal(got, want)

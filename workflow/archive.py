@@ -1,0 +1,367 @@
+"""Reading the evidence archive: list, resolve abbreviated ids, load, diff, verify, sync.
+
+Plain data in and out; printing is the CLI's business and HTML the html stage's. This module sits
+beside tracking and benchstats (it imports only them and the evidence core), so that stages may
+use it too (bench_report resolves its baseline here) without a stage importing another stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+
+from workflow import benchstats, tracking
+from workflow.evidence import MANIFEST, file_table, read_config, read_json, stage_records, utc_now, write_json
+
+ROOT = Path("evidence")
+TRACKING_RECORDS = Path(".evident/tracking")
+"""Where sync records what it logged: a sealed directory is never rewritten, so a manifest that says
+`pending` stays so; the record beside it says the outage has been filled since."""
+
+IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
+"""Config keys that differ between comparable runs by design: they do not limit a comparison."""
+
+
+class NotFound(FileNotFoundError):
+    """An id that matches no evidence directory or several, or one that is not sealed."""
+
+
+# --- finding directories ---------------------------------------------------------------------
+
+def evidence_dirs(root: str | Path = ROOT, campaign: str | None = None) -> list[Path]:
+    """Every `<root>/<campaign>/<id>/` directory (sealed or not), sorted by campaign then id.
+
+    Files beside them (the HTML pages `<id>.html`) and hidden entries are not evidence.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    camps = [root / campaign] if campaign else sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return sorted(d for c in camps if c.is_dir() for d in c.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def label(path: Path) -> str:
+    """`campaign/id`: how the archive names a directory to people."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def resolve(ref: str, root: str | Path = ROOT, *, campaign: str | None = None, exclude: Path | None = None,
+            sealed: bool = False) -> Path:
+    """One evidence directory from a path, an id, `campaign/id`, or an unambiguous prefix of either.
+
+    An exact id wins over longer ids it prefixes. Raises NotFound naming what was searched, every
+    candidate when there are several, or the directory when `sealed` and it has no manifest.
+    """
+    root = Path(root)
+    path = Path(ref)
+    if "/" in ref and path.is_dir() and any((path / f).exists() for f in (MANIFEST, "stages", "config.yaml")):
+        found = path
+    else:
+        camp, _, prefix = ref.rpartition("/")
+        camp = camp or campaign
+        if camp and not (root / camp).is_dir() and path.parent.is_dir():
+            root, camp = path.parent.parent, path.parent.name  # a path prefix: evidence/tiny/7c0
+        candidates = evidence_dirs(root, camp)
+        where = f"{root.as_posix()}/" + (f"{camp}/" if camp else "")
+        if exclude is not None:
+            candidates = [d for d in candidates if d.resolve() != Path(exclude).resolve()]
+        exact = [d for d in candidates if d.name == prefix]
+        matches = exact or [d for d in candidates if prefix and d.name.startswith(prefix)]
+        if not matches:
+            raise NotFound(f"no evidence directory matches {ref!r} under {where}")
+        if len(matches) > 1:
+            names = ", ".join(label(m) for m in matches)
+            raise NotFound(f"{ref!r} matches {len(matches)} directories under {where} ({names}); give a longer id")
+        found = matches[0]
+    if sealed and not (found / MANIFEST).is_file():
+        raise NotFound(f"{found.as_posix()} is not sealed (no {MANIFEST})")
+    return found
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+def _json(path: Path):
+    """A file's JSON, or None when it is missing or damaged: listing must survive a broken directory."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class Evidence:
+    path: Path
+    manifest: dict | None
+    config: dict
+    env: dict
+    records: list[dict]
+    sync_record: dict | None = None
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def campaign(self) -> str:
+        return (self.manifest or {}).get("campaign") or self.config.get("campaign") or self.path.parent.name
+
+    @property
+    def label(self) -> str:
+        return label(self.path)
+
+    @property
+    def sealed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def created(self) -> str:
+        starts = [r["started_utc"] for r in self.records if r.get("started_utc")]
+        return (self.manifest or {}).get("created_utc") or (min(starts) if starts else "")
+
+    @property
+    def commit(self) -> str:
+        git = (self.manifest or {}).get("git") or {}
+        commit = (git.get("commit") or self.id.split("-")[0])[:7]
+        return commit + ("+dirty" if git.get("dirty") or "-dirty" in self.id else "")
+
+    @property
+    def device(self) -> str:
+        dev = self.env.get("device") or self.config.get("device") or "?"
+        gpus = self.env.get("gpus") or []
+        return f"{dev} ({len(gpus)}x {gpus[0]})" if gpus else dev
+
+    def with_status(self, status: str) -> list[str]:
+        return [r["name"] for r in self.records if r.get("status") == status]
+
+    @property
+    def state(self) -> str:
+        """sealed or unsealed, naming failed and skipped stages (a skipped stage is not a pass)."""
+        parts = ["sealed" if self.sealed else "unsealed"]
+        parts += [f"{s}: {', '.join(names)}" for s in ("failed", "skipped") if (names := self.with_status(s))]
+        return "; ".join(parts)
+
+    @functools.cached_property
+    def gates(self) -> dict[str, str]:
+        """Each gate's verdict, parity first: every JSON file a stage wrote with a top-level `verdict`
+        (parity/comparison.json, overlap/screen.json, kernels/audit.json, and later gates alike),
+        named after its folder. The stages tag their verdicts under different names; the files agree."""
+        found = {}
+        for rel in sorted({f for r in self.records for f in r.get("files", []) if f.endswith(".json")}):
+            doc = self.read(rel)
+            if isinstance(doc, dict) and isinstance(doc.get("verdict"), str):
+                name = rel.split("/")[0] if "/" in rel else rel.removesuffix(".json")
+                found[name if name not in found else rel.removesuffix(".json")] = doc["verdict"]
+        if not found and (self.manifest or {}).get("verdict"):
+            found["parity"] = self.manifest["verdict"]  # a directory sealed before stages listed their files
+        return dict(sorted(found.items(), key=lambda kv: (kv[0] != "parity", kv[0])))
+
+    @property
+    def tracking(self) -> dict:
+        """The manifest's tracking record, or `synced` with the ids when a later sync filled it."""
+        if not self.sealed:
+            return {"status": "unsealed"}
+        track = dict(self.manifest.get("tracking") or {"status": "unknown"})
+        if track.get("status") != "logged" and self.sync_record:
+            track = {"status": "synced", **{k: v for k, v in self.sync_record.items() if k != "synced_utc"}}
+        return track
+
+    def read(self, rel: str):
+        return _json(self.path / rel)
+
+
+def load(path: str | Path, records: Path = TRACKING_RECORDS) -> Evidence:
+    path = Path(path)
+    try:
+        config = read_config(path / "config.yaml") or {}
+    except (OSError, ValueError):
+        config = {}
+    try:
+        recs = stage_records(path)
+    except (OSError, ValueError):
+        recs = []
+    return Evidence(path=path, manifest=_json(path / MANIFEST), config=config, env=_json(path / "env.json") or {},
+                    records=recs, sync_record=_json(records / f"{path.name}.json"))
+
+
+def listing(root: str | Path = ROOT, campaign: str | None = None, records: Path = TRACKING_RECORDS) -> list[Evidence]:
+    """Every directory, newest first (by the time its first stage started)."""
+    found = [load(d, records) for d in evidence_dirs(root, campaign)]
+    return sorted(found, key=lambda e: (e.created, e.id), reverse=True)
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+def verify(path: str | Path) -> dict:
+    """Re-hash every file against MANIFEST.json (with the manifest's own hashing and file list).
+
+    Returns {"missing", "extra", "changed", "problems"}; all empty means the directory is intact.
+    """
+    path = Path(path)
+    manifest = _json(path / MANIFEST)
+    if manifest is None or not isinstance(manifest.get("files"), dict):
+        return {"missing": [], "extra": [], "changed": [], "problems": [f"{MANIFEST} is missing or unreadable"]}
+    sealed, now = manifest["files"], file_table(path)
+    changed = [rel for rel in sorted(set(sealed) & set(now))
+               if (sealed[rel].get("sha256"), sealed[rel].get("size")) != (now[rel]["sha256"], now[rel]["size"])]
+    problems = []
+    if manifest.get("evidence_id") not in (None, path.name):
+        problems.append(f"directory renamed: the manifest names it {manifest['evidence_id']}")
+    return {"missing": sorted(set(sealed) - set(now)), "extra": sorted(set(now) - set(sealed)),
+            "changed": changed, "problems": problems}
+
+
+def intact(result: dict) -> bool:
+    return not any(result.values())
+
+
+# --- sync ------------------------------------------------------------------------------------
+
+def sync(path: str | Path, uri: str | None = None, records: Path = TRACKING_RECORDS) -> dict:
+    """Replay one sealed directory into MLflow (idempotent: runs are found by tag) and record it.
+
+    Raises NotFound when unsealed and whatever MLflow raises when the store is unreachable.
+    """
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise NotFound(f"{path.as_posix()} is not sealed (no {MANIFEST}); nothing to sync")
+    ids = tracking.log_evidence(path, uri)
+    tracking.finish(path, ids, uri)
+    write_json(Path(records) / f"{path.name}.json", {"synced_utc": utc_now(), **ids})
+    return ids
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _changed(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _bench_cells(ev: Evidence) -> dict[tuple, dict]:
+    cells = {}
+    for p in sorted((ev.path / "bench").glob("*-b*.json")):
+        cell = _json(p)
+        if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
+            cells[(str(cell["backend"]), int(cell["batch"]))] = cell
+    return cells
+
+
+def _stat(cell: dict | None, *keys):
+    try:
+        v = cell["stats"]
+        for k in keys:
+            v = v[k]
+        return float(v)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
+    """Per bench cell: both TPOT p50 and tok/s, their change, and bench_report's directional claim
+    (A is the baseline, B the current run): a claim only where contract, versions and model match
+    and neither cell is noisy."""
+    ca, cb = _bench_cells(a), _bench_cells(b)
+    out = []
+    for key in sorted(set(ca) | set(cb)):
+        x, y = ca.get(key), cb.get(key)
+        if x is None or y is None:
+            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
+                     "reason": f"only in {'B' if x is None else 'A'}"}
+        else:
+            try:
+                claim = benchstats.directional_claim(y, x)
+            except benchstats.BenchError as e:
+                claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
+                         "reason": f"malformed cell: {e}"}
+        out.append({"backend": key[0], "batch": key[1],
+                    "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
+                    "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim})
+    return out
+
+
+def _number(v) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def metric_diff(a: Evidence, b: Evidence) -> list[dict]:
+    """Every stage metric (what MLflow shows) side by side. Single values carry no noise estimate, so
+    they make no directional claim; the bench cells above do."""
+    ma = {f"{r['name']}.{k}": v for r in a.records for k, v in r.get("metrics", {}).items()}
+    mb = {f"{r['name']}.{k}": v for r in b.records for k, v in r.get("metrics", {}).items()}
+    out = []
+    for k in sorted(set(ma) | set(mb)):
+        x, y = _number(ma.get(k)), _number(mb.get(k))
+        delta = None if x is None or y is None else y - x
+        pct = None if delta is None or x == 0 else delta / abs(x) * 100.0
+        out.append({"metric": k, "a": ma.get(k), "b": mb.get(k), "delta": delta, "delta_pct": pct})
+    return out
+
+
+def verdict_diff(a: Evidence, b: Evidence) -> list[dict]:
+    """Gate verdicts, stage outcomes and parity cells, wherever A and B differ."""
+    out = []
+    ga, gb = a.gates, b.gates
+    for k in sorted(set(ga) | set(gb)):
+        if ga.get(k) != gb.get(k):
+            out.append({"what": f"gate {k}", "a": ga.get(k), "b": gb.get(k)})
+    sa = {r["name"]: r.get("status") for r in a.records}
+    sb = {r["name"]: r.get("status") for r in b.records}
+    for k in sorted(set(sa) | set(sb)):
+        if sa.get(k) != sb.get(k):
+            out.append({"what": f"stage {k}", "a": sa.get(k), "b": sb.get(k)})
+
+    def cells(ev):
+        comp = ev.read("parity/comparison.json") or {}
+        return {f"parity {c.get('backend')}{'' if c.get('kernels', 'torch') == 'torch' else '-' + str(c['kernels'])} "
+                f"b{c.get('batch')} {c.get('case')}": c.get("verdict")
+                for c in comp.get("cells", []) if isinstance(c, dict)}
+
+    pa, pb = cells(a), cells(b)
+    for k in sorted(set(pa) | set(pb)):
+        if pa.get(k) != pb.get(k):
+            out.append({"what": k, "a": pa.get(k), "b": pb.get(k)})
+    return out
+
+
+def limits(a: Evidence, b: Evidence) -> list[str]:
+    """Differences in what was measured (not in the code under test) that limit or void a comparison."""
+    out = []
+    if a.campaign != b.campaign:
+        out.append(f"campaign differs ({a.campaign} vs {b.campaign})")
+    keys = [k for k in _changed(_flat(a.config), _flat(b.config)) if k not in IGNORED_CONFIG_KEYS]
+    if keys:
+        out.append(f"config differs at {', '.join(keys)}")
+    pa, pb = a.env.get("packages", {}), b.env.get("packages", {})
+    versions = [f"{k} {pa.get(k)} vs {pb.get(k)}" for k in _changed(pa, pb)]
+    if versions:
+        out.append(f"versions differ: {'; '.join(versions)}")
+    env_keys = [k for k in _changed({k: v for k, v in a.env.items() if k != "packages"},
+                                    {k: v for k, v in b.env.items() if k != "packages"})]
+    if env_keys:
+        out.append(f"environment differs at {', '.join(env_keys)}")
+    ka = {n: f.get("sha256") for n, f in ((a.read("checkpoint.json") or {}).get("files") or {}).items()}
+    kb = {n: f.get("sha256") for n, f in ((b.read("checkpoint.json") or {}).get("files") or {}).items()}
+    if ka != kb:
+        out.append(f"checkpoint differs ({', '.join(_changed(ka, kb))})")
+    for ev, side in ((a, "A"), (b, "B")):
+        if not ev.sealed:
+            out.append(f"{side} is not sealed: its files are not vouched for")
+    return out
+
+
+def diff(a: Evidence, b: Evidence) -> dict:
+    return {"a": a.label, "b": b.label, "limits": limits(a, b), "verdicts": verdict_diff(a, b),
+            "bench": bench_diff(a, b), "metrics": metric_diff(a, b)}

@@ -1,0 +1,42 @@
+# The evidence archive: evidence/index.html and a page per evidence directory beside it
+# (workflow/stages/html.py), plus what `snakemake --report report.html` shows.
+
+
+report: "../report/workflow.rst"
+
+
+# The campaign's key outputs, each with its caption. They are marked for the report here, as inputs of
+# an always-defined rule, and not on their stage rules: a sealed directory's stage rules are not
+# defined (Snakefile), and a report is made after the run, when the directory is sealed. A directory
+# sealed by an older version may lack a newer stage's file; it is then left out of the report.
+REPORTED = {
+    "summary": (f"{E}/SUMMARY.md", "summary.rst", "Evidence"),
+    "manifest": (f"{E}/MANIFEST.json", "manifest.rst", "Evidence"),
+    "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity"),
+    "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark"),
+    "bench_plot": (f"{E}/plots/bench.png", "bench-plot.rst", "Benchmark"),
+}
+ARCHIVE_INPUTS = {
+    name: report(path, caption=f"../report/{caption}", category=category)
+    for name, (path, caption, category) in REPORTED.items()
+    if not SEALED or os.path.exists(path)
+}
+INDEX = "evidence/index.html"
+
+
+# The whole archive (every campaign, every id) is rewritten, but only when this campaign's directory
+# is newly sealed: its inputs are files of that directory, so an unchanged tree has nothing to do.
+rule archive:
+    input:
+        **ARCHIVE_INPUTS,
+    output:
+        INDEX,
+    params:
+        py=PY,
+        tracking="--tracking-uri '{}'".format(config["tracking"]["uri"]) if config["tracking"]["uri"] else "",
+    log:
+        f"{SEAL_LOGS}/archive.log",
+    benchmark:
+        f"{SEAL_LOGS}/archive.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.html --out {output} {params.tracking} 2>&1 | tee {log}"

@@ -1,0 +1,22 @@
+# Overlap A/B screen: split GEMVs on the main stream vs the fused GEMV on a side stream beside a GEMM.
+# Bitwise on fresh inputs everywhere (Triton interpreter on the CPU); CUDA graph timings on a GPU.
+
+
+rule overlap:
+    input:
+        config=rules.context.output.config,
+    output:
+        screen=f"{E}/overlap/screen.json",
+        timings=f"{E}/overlap/timings.csv",
+        plot=f"{E}/plots/overlap.png",
+    # A timing run takes all cores, so no other job runs beside it; on the CPU it only compares bits.
+    threads: 1 if config["device"] == "cpu" else workflow.cores
+    params:
+        py=PY,
+        ev=evidence_dir,
+    log:
+        f"{E}/logs/overlap.log",
+    benchmark:
+        f"{E}/logs/overlap.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.overlap --evidence {params.ev} 2>&1 | tee {log}"

@@ -1,0 +1,319 @@
+"""Stage `html`: the static HTML archive, `evidence/index.html` and one page per evidence directory.
+
+Pages live beside the directories (`evidence/<campaign>/<id>.html`), never inside one: a sealed
+directory's manifest lists every file, so a page written inside would read as tampering. Plain HTML
+with inline CSS, relative links only and every text escaped, so the archive can be moved, served by
+any static server or opened from the file system. No local paths or host names are written; the one
+exception is an http(s) tracking server, which is where the MLflow links have to point.
+The whole archive (every campaign, every id) is rewritten on each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import sys
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from workflow import archive
+from workflow.evidence import MANIFEST, list_files, write_text
+
+GENERATOR = "evident archive"
+"""Marks the pages this stage writes, so that a page whose directory is gone can be removed safely."""
+
+CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
+main { max-width: 1180px; margin: 0 auto; padding: 20px 28px 48px; background: #fff; min-height: 100vh; }
+h1 { font-size: 24px; margin: 4px 0 10px; word-break: break-all; } h2 { font-size: 19px; margin-top: 30px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
+h3, h4 { font-size: 16px; margin-top: 22px; } nav { font-size: 13px; color: #57606a; } nav a { color: #0969da; }
+a { color: #0969da; text-decoration: none; } a:hover { text-decoration: underline; }
+table { border-collapse: collapse; margin: 8px 0 14px; font-size: 13px; } th, td { border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f6f8fa; } tr:nth-child(even) td { background: #fbfcfd; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; background: #eff1f3; padding: 1px 4px; border-radius: 4px; }
+.badge { display: inline-block; font-size: 12px; padding: 1px 8px; border-radius: 10px; margin: 1px 4px 1px 0; border: 1px solid; white-space: nowrap; }
+.good { background: #dafbe1; color: #116329; border-color: #4ac26b; } .warn { background: #fff8c5; color: #7d4e00; border-color: #d4a72c; }
+.bad { background: #ffebe9; color: #a40e26; border-color: #ff8182; } .neutral { background: #eff1f3; color: #57606a; border-color: #d0d7de; }
+figure { margin: 10px 0; } img { max-width: 100%; border: 1px solid #d0d7de; } .muted { color: #57606a; font-size: 13px; }
+"""
+
+BAD = ("fail", "regression", "gap", "mismatch", "slower", "spill", "missing", "changed")
+WARN = ("near_tie", "pending", "unsealed", "skipped", "noisy", "no directional", "unknown", "not in manifest")
+GOOD = ("exact", "ok", "pass", "logged", "synced", "sealed", "faster")
+
+
+class Raw(str):
+    """Markup that is already escaped."""
+
+
+def esc(value) -> str:
+    return value if isinstance(value, Raw) else html.escape("" if value is None else str(value))
+
+
+def url(rel: str) -> str:
+    return quote(rel, safe="/#:")
+
+
+def link(rel: str, text) -> Raw:
+    return Raw(f'<a href="{esc(url(rel))}">{esc(text)}</a>')
+
+
+def tone(value) -> str:
+    v = str(value).lower()
+    for name, words in (("bad", BAD), ("warn", WARN), ("good", GOOD)):
+        if any(w in v for w in words):
+            return name
+    return "neutral"
+
+
+def badge(value, text=None) -> Raw:
+    return Raw(f'<span class="badge {tone(value)}">{esc(value if text is None else text)}</span>')
+
+
+def table(header: list, rows: list[list], numeric: set[int] = frozenset()) -> Raw:
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f'<td{" class=num" if i in numeric else ""}>{esc(c)}</td>' for i, c in enumerate(r))
+                   + "</tr>" for r in rows)
+    return Raw(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def page(title: str, body: str) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<meta name="generator" content="{GENERATOR}"><title>{esc(title)}</title>'
+            f"<style>{CSS}</style></head>\n<body><main>\n{body}\n</main></body></html>\n")
+
+
+# --- SUMMARY.md: the subset of markdown it is written in ------------------------------------
+
+def _inline(text: str) -> str:
+    out = esc(text)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    return re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
+
+
+def _safe_rel(src: str) -> bool:
+    return not (urlsplit(src).scheme or src.startswith("/") or ".." in Path(src).parts)
+
+
+def markdown(text: str, base: str, exists) -> tuple[str, set[str]]:
+    """Headings, GitHub tables, lists, images and paragraphs, with inline code and bold.
+
+    Image sources are made relative to the page (`base/src`); an image whose file is missing is
+    named instead of shown, so no image on a page can fail to load. Returns the markup and the
+    images it shows.
+    """
+    out, shown, para, rows, items = [], set(), [], [], []
+
+    def flush():
+        if para:
+            out.append(f"<p>{_inline(' '.join(para))}</p>")
+            para.clear()
+        if rows:
+            cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+            body = [r for r in cells[1:] if not all(set(c) <= set("-: ") for c in r)]
+            out.append(table(cells[0], [[Raw(_inline(c)) for c in r] for r in body]))
+            rows.clear()
+        if items:
+            out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+
+    for line in text.splitlines():
+        s = line.strip()
+        image = re.fullmatch(r"!\[([^\]]*)\]\(([^)\s]+)\)", s)
+        if not s:
+            flush()
+        elif s.startswith("|"):
+            if para or items:
+                flush()
+            rows.append(s)
+        elif m := re.match(r"(#{1,5})\s+(.*)", s):
+            flush()
+            level = min(len(m.group(1)) + 1, 6)  # the page's own title is the h1
+            out.append(f"<h{level}>{_inline(m.group(2))}</h{level}>")
+        elif image:
+            flush()
+            alt, src = image.groups()
+            if _safe_rel(src) and exists(src):
+                shown.add(src)
+                out.append(f'<figure><img src="{esc(url(f"{base}/{src}"))}" alt="{esc(alt)}"></figure>')
+            else:
+                out.append(f"<p class=muted>(image not in the directory: {esc(src)})</p>")
+        elif s.startswith(("- ", "* ")):
+            if para or rows:
+                flush()
+            items.append(s[2:])
+        elif items and line.startswith("  "):
+            items[-1] += " " + s
+        else:
+            if rows or items:
+                flush()
+            para.append(s)
+    flush()
+    return "\n".join(out), shown
+
+
+# --- MLflow ----------------------------------------------------------------------------------
+
+def ui_base(uri: str | None) -> str | None:
+    """The MLflow UI behind an http(s) tracking server, without credentials; None for a local store."""
+    if not uri:
+        return None
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return None
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path.rstrip('/')}"
+
+
+def mlflow_section(ev: archive.Evidence, ui: str | None) -> str:
+    track = ev.tracking
+    status = track.get("status", "unknown")
+    exp, parent = track.get("experiment_id"), track.get("parent_run_id")
+    if not parent:
+        hint = {"pending": "the tracking store was unreachable when this was sealed: `evident sync` replays it",
+                "disabled": "tracking was disabled for this campaign", "unsealed": "the directory is not sealed"}
+        return f"<p>{badge(status)} {_inline(hint.get(status, 'no MLflow runs recorded'))}</p>"
+
+    def run(rid):
+        return link(f"{ui}/#/experiments/{exp}/runs/{rid}", rid) if ui else Raw(f"<code>{esc(rid)}</code>")
+
+    rows = [["parent (this directory)", run(parent)]]
+    rows += [[f"stage {name}", run(rid)] for name, rid in sorted((track.get("child_run_ids") or {}).items())]
+    if ui:
+        where = Raw(f"experiment {link(f'{ui}/#/experiments/{exp}', exp)} on the tracking server")
+    else:
+        where = Raw(_inline(f"experiment `{exp}` in the working directory's MLflow store: run `mlflow ui` "
+                            f"there (the default store is `mlflow.db`) and open experiment `{ev.campaign}`"))
+    return f"<p>{badge(status)} {where}</p>\n{table(['run', 'run id'], rows)}"
+
+
+# --- pages -----------------------------------------------------------------------------------
+
+def _size(n) -> str:
+    return "?" if n is None else f"{n:,} B"
+
+
+def _gates(ev: archive.Evidence) -> Raw:
+    return Raw("".join(badge(v, f"{k}: {v}") for k, v in ev.gates.items()) or "—")
+
+
+def _metrics(rec: dict) -> str:
+    items = sorted((rec.get("metrics") or {}).items())
+    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items[:6])
+    return shown + (f", … ({len(items) - 6} more)" if len(items) > 6 else "")
+
+
+def files_section(ev: archive.Evidence) -> str:
+    """Every file with a link; one the manifest lists but the disk lacks is flagged, not linked."""
+    on_disk = set(list_files(ev.path))
+    sealed = (ev.manifest or {}).get("files") or {}
+    rows = []
+    for rel in sorted(set(sealed) | on_disk):
+        f = sealed.get(rel, {})
+        size = f.get("size") if rel in sealed else (ev.path / rel).stat().st_size
+        present = rel in on_disk
+        note = badge("missing") if not present else (badge("not in manifest") if ev.sealed and rel not in sealed else "")
+        rows.append([link(f"{ev.id}/{rel}", rel) if present else rel, _size(size),
+                     Raw(f"<code>{esc(f['sha256'][:16])}</code>") if f.get("sha256") else "—", note])
+    if ev.sealed:
+        rows.append([link(f"{ev.id}/{MANIFEST}", MANIFEST), _size((ev.path / MANIFEST).stat().st_size), "—",
+                     "seals the rest"])
+    note = ("Presence is checked here; <code>evident verify</code> re-hashes every file against the manifest."
+            if ev.sealed else "Not sealed: no manifest vouches for these files.")
+    return f"<p class=muted>{note}</p>\n{table(['file', 'size', 'sha256 (manifest)', ''], rows, {1})}"
+
+
+def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
+    cfg, env, m = ev.config, ev.env, ev.manifest or {}
+    pk = env.get("packages") or {}
+    git = m.get("git") or {}
+    facts = [
+        ["campaign", ev.campaign], ["evidence id", Raw(f"<code>{esc(ev.id)}</code>")],
+        ["state", badge(ev.state)], ["created (UTC)", ev.created or "—"], ["sealed (UTC)", m.get("sealed_utc", "—")],
+        ["commit", Raw(f"<code>{esc(git.get('commit') or ev.commit)}</code>"
+                       + (f" + uncommitted diff <code>{esc(git['dirty'][:8])}</code>" if git.get("dirty") else ""))],
+        ["config sha256", Raw(f"<code>{esc(m.get('config_sha256', '—'))}</code>")],
+        ["device / dtype", f"{ev.device} / {cfg.get('dtype', '?')}"],
+        ["torch / transformers", f"{pk.get('torch', '?')} / {pk.get('transformers', '?')}"],
+    ]
+    summary_path = ev.path / "SUMMARY.md"
+    if summary_path.is_file():
+        summary, shown = markdown(summary_path.read_text(errors="replace"), ev.id, lambda s: (ev.path / s).is_file())
+    else:
+        summary, shown = "<p class=muted>No SUMMARY.md: the directory was not sealed.</p>", set()
+    plots = [rel for rel in list_files(ev.path) if rel.endswith(".png") and rel not in shown]
+    figures = "".join(f'<figure><img src="{esc(url(f"{ev.id}/{rel}"))}" alt="{esc(rel)}">'
+                      f"<figcaption class=muted>{esc(rel)}</figcaption></figure>" for rel in plots)
+    stages = table(["stage", "status", "seconds", "metrics", "note"], [
+        [r.get("name"), badge(r.get("status", "?")), r.get("seconds", ""), _metrics(r), r.get("error") or r.get("reason") or ""]
+        for r in ev.records], {2})
+    body = [
+        f'<nav>{link("../index.html", "Evidence archive")} / {esc(ev.campaign)} / {esc(ev.id)}</nav>',
+        f"<h1>{esc(ev.id)}</h1>",
+        f"<p>{badge(ev.state)} {_gates(ev)} {badge(ev.tracking.get('status', 'unknown'), 'MLflow: ' + ev.tracking.get('status', 'unknown'))}</p>",
+        table(["what", "value"], facts),
+        "<h2>Summary</h2>", summary,
+    ]
+    if figures:
+        body += ["<h2>Plots</h2>", figures]
+    body += ["<h2>Stages</h2>", stages, "<h2>MLflow runs</h2>", mlflow_section(ev, ui),
+             "<h2>Files</h2>", files_section(ev)]
+    return page(f"{ev.label} — evident", "\n".join(body))
+
+
+def index_page(entries: list[archive.Evidence], ui: str | None) -> str:
+    body = ["<h1>Evidence archive</h1>"]
+    campaigns = sorted({e.path.parent.name for e in entries})
+    if not entries:
+        body.append("<p>No evidence directories yet: <code>make run</code> writes the first one.</p>")
+    else:
+        body.append(f"<p class=muted>{len(entries)} evidence director{'y' if len(entries) == 1 else 'ies'} in "
+                    f"{len(campaigns)} campaign{'' if len(campaigns) == 1 else 's'}, newest first. Each is sealed by its "
+                    f"<code>MANIFEST.json</code>; <code>evident verify --all</code> re-hashes every file, "
+                    f"<code>evident diff A B</code> compares two.</p>")
+        body.append("<p>" + " · ".join(link(f"#{c}", c) for c in campaigns) + "</p>")
+    for camp in campaigns:
+        rows = []
+        for e in (e for e in entries if e.path.parent.name == camp):
+            summary = link(f"{camp}/{e.id}/SUMMARY.md", "SUMMARY.md") if (e.path / "SUMMARY.md").is_file() else "—"
+            track = e.tracking.get("status", "unknown")
+            rows.append([link(f"{camp}/{e.id}.html", e.id), e.created or "—", Raw(f"<code>{esc(e.commit)}</code>"),
+                         f"{e.device} / {e.config.get('dtype', '?')}", _gates(e), badge(e.state), badge(track), summary])
+        body += [f'<h2 id="{esc(camp)}">{esc(camp)}</h2>',
+                 table(["evidence", "created (UTC)", "commit", "device / dtype", "verdicts", "state", "MLflow", ""], rows)]
+    if entries and not ui:
+        body.append("<p class=muted>MLflow runs are in the working directory's store: <code>mlflow ui</code> there "
+                    "shows them (each page lists its run ids).</p>")
+    return page("Evidence archive — evident", "\n".join(body))
+
+
+def write_archive(root: str | Path = archive.ROOT, tracking_uri: str | None = None,
+                  records: Path | None = None) -> list[Path]:
+    """Write every page and the index; remove pages this stage wrote for directories now gone."""
+    root = Path(root)
+    records = Path(records) if records is not None else root.parent / archive.TRACKING_RECORDS
+    ui = ui_base(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    entries = archive.listing(root, records=records)
+    written = [write_text(e.path.with_name(f"{e.id}.html"), evidence_page(e, ui)) for e in entries]
+    for stale in root.glob("*/*.html"):
+        if not stale.with_suffix("").is_dir() and GENERATOR in stale.read_text(errors="replace")[:600]:
+            stale.unlink()
+    written.append(write_text(root / "index.html", index_page(entries, ui)))
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=archive.ROOT / "index.html", help="the index; the archive is its folder")
+    ap.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI; only an http(s) server gets links")
+    args = ap.parse_args(argv)
+    if args.out.name != "index.html":
+        sys.exit(f"[html] --out must name an index.html (got {args.out})")
+    written = write_archive(args.out.parent, args.tracking_uri)
+    print(f"[html] {args.out}: {len(written) - 1} evidence pages", flush=True)
+
+
+if __name__ == "__main__":
+    main()
