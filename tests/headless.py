@@ -163,7 +163,7 @@ def links_and_images(page: Path) -> list[str]:
 
 def assert_archive_resolves(root: Path) -> int:
     """Every link and image of every page is relative and names a file that exists."""
-    pages = [root / "index.html", *root.glob("*/*.html")]
+    pages = [root / "index.html", *root.glob("_pages/*/*.html")]
     count = 0
     for page in pages:
         for ref in links_and_images(page):

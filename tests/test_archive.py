@@ -344,8 +344,8 @@ def test_sync_on_pipeline_evidence_creates_no_duplicate(pipeline):
 @pytest.mark.slow
 def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
     wd, ev = pipeline
-    index, page = wd / "evidence/index.html", ev.with_name(f"{ev.name}.html")
-    assert index.is_file() and page.is_file()  # built by `rule all`, beside the sealed directory
+    index, page = wd / "evidence/index.html", wd / "evidence/_pages/tiny" / f"{ev.name}.html"
+    assert index.is_file() and page.is_file()  # built by `rule all`, outside the sealed directory
     assert run_evident(wd, "verify", ev.name).returncode == 0  # nothing was written inside it
     assert headless.assert_archive_resolves(wd / "evidence") > 30
     text = page.read_text()
@@ -353,7 +353,7 @@ def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
     assert "plots/bench.png" in text and "all_token_text_exact" in text
     if not headless.binary():
         pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
-    for name, target, width in (("index", index, 1280), ("page", page, 1280)):
+    for name, target, width in (("index", index, 1400), ("page", page, 1280)):
         shot = tmp_path / f"evident-{name}.png"
         seen = headless.load(target, shot, width)
         print(f"screenshot of {target.name}: {shot}")

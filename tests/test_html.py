@@ -32,11 +32,13 @@ def root(tmp_path, monkeypatch):
     return root
 
 
-def test_pages_beside_sealed_directories_relative_and_escaped(root, tmp_path):
+def test_pages_outside_evidence_directories_relative_and_escaped(root, tmp_path):
     written = html.write_archive(root)
     assert sorted(p.relative_to(root).as_posix() for p in written) == [
-        "gpu-ep2/ccccccc-c33333333-r1.html", "index.html", "tiny/aaaaaaa-c11111111-r1.html",
-        "tiny/bbbbbbb-c22222222-r1.html"]
+        "_pages/gpu-ep2/ccccccc-c33333333-r1.html", "_pages/tiny/aaaaaaa-c11111111-r1.html",
+        "_pages/tiny/bbbbbbb-c22222222-r1.html", "index.html"]
+    assert [d.name for d in archive.evidence_dirs(root)] == ["ccccccc-c33333333-r1", "aaaaaaa-c11111111-r1",
+                                                             "bbbbbbb-c22222222-r1"]  # pages are not evidence
     for ev in archive.evidence_dirs(root):  # nothing was written inside a sealed directory
         assert archive.intact(archive.verify(ev)) or not (ev / "MANIFEST.json").exists()
     assert headless.assert_archive_resolves(root) > 20
@@ -44,28 +46,29 @@ def test_pages_beside_sealed_directories_relative_and_escaped(root, tmp_path):
         text = page.read_text()
         assert str(tmp_path) not in text and str(Path.home()) not in text
         assert "<script" not in text and "http" not in text  # no script, no external asset
-    hostile = (root / "tiny/bbbbbbb-c22222222-r1.html").read_text()
+    hostile = (root / "_pages/tiny/bbbbbbb-c22222222-r1.html").read_text()
     assert "<code>&lt;script&gt;alert(1)&lt;/script&gt;</code> &amp; &quot;quotes&quot; &lt;b&gt;bold?&lt;/b&gt;" in hostile
     index = (root / "index.html").read_text()
     # campaigns in name order, each newest first
-    assert index.index('href="gpu-ep2/ccccccc') < index.index('href="tiny/bbbbbbb') < index.index('href="tiny/aaaaaaa')
+    assert (index.index('href="_pages/gpu-ep2/ccccccc') < index.index('href="_pages/tiny/bbbbbbb')
+            < index.index('href="_pages/tiny/aaaaaaa'))
     assert 'class="badge warn">parity: near_tie_divergence' in index
     assert 'class="badge good">parity: all_token_text_exact' in index
-    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
-    assert '<img src="aaaaaaa-c11111111-r1/plots/bench.png"' in page
+    page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
+    assert '<img src="../../tiny/aaaaaaa-c11111111-r1/plots/bench.png"' in page
     assert page.count("<img") == 1  # the summary shows the plot; it is not repeated under Plots
 
 
 def test_mlflow_links_only_to_an_http_server_and_never_its_credentials(root):
     html.write_archive(root, tracking_uri="sqlite:////somewhere/private/mlflow.db")
-    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert "private" not in page and "<code>" + "p" * 32 + "</code>" in page and "mlflow ui" in page
     html.write_archive(root, tracking_uri="https://user:secret@mlflow.example.org/prefix/")
-    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert "secret" not in page and "user:" not in page
     assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"p" * 32}"' in page
     assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"c" * 32}"' in page
-    pending = (root / "tiny/bbbbbbb-c22222222-r1.html").read_text()
+    pending = (root / "_pages/tiny/bbbbbbb-c22222222-r1.html").read_text()
     assert "evident sync" in pending and "experiments/" not in pending
 
 
@@ -74,16 +77,16 @@ def test_damage_is_flagged_and_stale_pages_removed(root):
     (ev / "parity/comparison.json").unlink()
     (ev / "scratch.txt").write_text("x")
     html.write_archive(root)
-    page = (root / "tiny/aaaaaaa-c11111111-r1.html").read_text()
+    page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert '<td>parity/comparison.json</td><td class=num>' in page and 'class="badge bad">missing' in page
-    assert 'href="aaaaaaa-c11111111-r1/scratch.txt"' in page and "not in manifest" in page
+    assert 'href="../../tiny/aaaaaaa-c11111111-r1/scratch.txt"' in page and "not in manifest" in page
     headless.assert_archive_resolves(root)  # a missing file is named, never linked
 
-    (root / "tiny/mine.html").write_text("<p>a page of my own</p>")
+    (root / "_pages/tiny/mine.html").write_text("<p>a page of my own</p>")
     shutil.rmtree(root / "tiny/bbbbbbb-c22222222-r1")
     html.write_archive(root)
-    assert not (root / "tiny/bbbbbbb-c22222222-r1.html").exists()
-    assert (root / "tiny/mine.html").exists()
+    assert not (root / "_pages/tiny/bbbbbbb-c22222222-r1.html").exists()
+    assert (root / "_pages/tiny/mine.html").exists()
     assert "bbbbbbb" not in (root / "index.html").read_text()
 
 
@@ -96,7 +99,8 @@ def test_archive_loads_in_headless_chromium(root, tmp_path):
     if not headless.binary():
         pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
     html.write_archive(root)
-    for target in (root / "index.html", root / "tiny/aaaaaaa-c11111111-r1.html", root / "tiny/bbbbbbb-c22222222-r1.html"):
+    for target in (root / "index.html", root / "_pages/tiny/aaaaaaa-c11111111-r1.html",
+                   root / "_pages/tiny/bbbbbbb-c22222222-r1.html"):
         shot = tmp_path / f"{target.stem}.png"
         seen = headless.load(target, shot)
         print(f"screenshot of {target.relative_to(root)}: {shot}")

@@ -53,7 +53,7 @@ def campaign(tmp: Path, **overrides) -> Path:
 
 
 def only_evidence_dir(workdir: Path, name: str) -> Path:
-    dirs = list((workdir / "evidence" / name).iterdir())
+    dirs = [p for p in (workdir / "evidence" / name).iterdir() if p.is_dir()]
     assert len(dirs) == 1, dirs
     return dirs[0]
 
@@ -75,6 +75,7 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     backends = ("single", "host-staged", "collective")
     for rel in ("MANIFEST.json", "SUMMARY.md", "config.yaml", "env.json", "checkpoint.json", "oracle/hf.json",
                 "parity/comparison.json", "bench/summary.csv", "bench/baseline.json", "plots/bench.png",
+                "overlap/screen.json", "overlap/timings.csv", "plots/overlap.png", "kernels/audit.json",
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
                 *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
                 *(f"bench/{b}-b{n}.json" for b in ("single", "collective") for n in (1, 4, 8))):
@@ -82,6 +83,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["verdict"] == "all_token_text_exact"
     assert json.loads((ev / "parity/comparison.json").read_text())["verdict"] == "all_token_text_exact"
+    # on the CPU the kernel audit has nothing compiled: skipped with its reason, never ok
+    assert manifest["stages"].pop("kernel-audit") == "skipped"
     assert set(manifest["stages"].values()) == {"ok"}
     # every file but the manifest itself is sealed with its hash
     on_disk = {p.relative_to(ev).as_posix() for p in ev.rglob("*") if p.is_file() and p.name != MANIFEST}
@@ -95,6 +98,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     summary = (ev / "SUMMARY.md").read_text()
     assert "all_token_text_exact" in summary and "Claim boundary" in summary
     assert "### Decode benchmark" in summary and "![decode tok/s" in summary
+    assert "### Overlap A/B screen" in summary and "64/64 freshly drawn input sets" in summary
+    assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
     cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
     assert {c["backend"] for c in cells} == {*backends, "host-staged vs collective"}
     bench = json.loads((ev / "bench/collective-b8.json").read_text())
@@ -230,3 +235,21 @@ def test_snakemake_lint_has_only_the_justified_finding(tmp_path):
     findings = {line.strip() for line in (r.stdout + r.stderr).splitlines() if line.strip().startswith("* ")}
     # justified in workflow/rules/common.smk: the project venv is the software environment
     assert findings == {"* Specify a conda environment or container for each rule.:"}
+
+
+def test_parity_covers_the_triton_decode_path(tmp_path):
+    """`parity.kernels: [torch, triton]`: the engine also runs through the Triton kernels (the interpreter on
+    the CPU) and each setting gets its own parity cells against the same oracle."""
+    cfg = campaign(tmp_path, **{"parity.kernels": ["torch", "triton"], "parity.batch_sizes": [1, 2],
+                                "cases": [{"name": "greeting", "prompt": "Hello", "max_new_tokens": 4}],
+                                "overlap": {"inputs": 4}})
+    r = snakemake(tmp_path, "--configfile", str(cfg))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ev = only_evidence_dir(tmp_path, "e2e")
+    run = json.loads((ev / "parity/single-triton-b2.json").read_text())
+    assert run["kernels"] == "triton" and run["backend"] == "single"
+    cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
+    assert sorted((c["kernels"], c["batch"], c["verdict"]) for c in cells) == [
+        ("torch", 1, "all_token_text_exact"), ("torch", 2, "all_token_text_exact"),
+        ("triton", 1, "all_token_text_exact"), ("triton", 2, "all_token_text_exact")]
+    assert json.loads((ev / "stages/parity-single-triton.json").read_text())["params"]["kernels"] == "triton"

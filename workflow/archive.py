@@ -33,13 +33,14 @@ class NotFound(FileNotFoundError):
 def evidence_dirs(root: str | Path = ROOT, campaign: str | None = None) -> list[Path]:
     """Every `<root>/<campaign>/<id>/` directory (sealed or not), sorted by campaign then id.
 
-    Files beside them (the HTML pages `<id>.html`) and hidden entries are not evidence.
+    A campaign name starts with a letter or digit: `_pages/` (the HTML archive) and hidden entries
+    are not evidence.
     """
     root = Path(root)
     if not root.is_dir():
         return []
-    camps = [root / campaign] if campaign else sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    return sorted(d for c in camps if c.is_dir() for d in c.iterdir() if d.is_dir() and not d.name.startswith("."))
+    camps = [root / campaign] if campaign else sorted(p for p in root.iterdir() if p.is_dir() and p.name[0].isalnum())
+    return sorted(d for c in camps if c.is_dir() for d in c.iterdir() if d.is_dir() and d.name[0].isalnum())
 
 
 def label(path: Path) -> str:

@@ -62,6 +62,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "",
         *bench_section(root),
         *overlap_section(root),
+        *audit_section(root),
         "### Claim boundary",
         "",
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
@@ -88,7 +89,7 @@ def bench_section(root: Path) -> list[str]:
     cfg = read_config(root / "config.yaml")["bench"]
     out = [
         f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
-        f"runs per cell; TPOT = steady decode interval after the first)",
+        f"runs per cell; TPOT = steady decode interval after the first; engine decode path: {cfg.get('kernels', 'torch')})",
         "",
         markdown_table(pd.read_csv(root / "bench/summary.csv")),
         "",
@@ -103,6 +104,24 @@ def bench_section(root: Path) -> list[str]:
               "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
              for c in baseline["cells"]]), ""]
     return out
+
+
+def audit_section(root: Path) -> list[str]:
+    """The kernel resource audit (kernels/audit.json), one row per kernel over its specialisations."""
+    if not (root / "kernels/audit.json").is_file():
+        return []
+    audit = read_json(root / "kernels/audit.json")
+    out = ["### Kernel resource audit", ""]
+    if not audit["kernels"]:
+        return out + [f"Not compiled: {audit['reason']}.", ""]
+    rows = []
+    for name in dict.fromkeys(r["kernel"] for r in audit["kernels"]):
+        specs = [r for r in audit["kernels"] if r["kernel"] == name]
+        regs = sorted({r["registers"] for r in specs})
+        rows.append([f"`{name}`", len(specs), f"{regs[0]}–{regs[-1]}" if len(regs) > 1 else regs[0],
+                     sum(r["spills"] for r in specs), max(r["shared_bytes"] for r in specs)])
+    return out + [f"**Verdict: `{audit['verdict']}`** (a spill fails the gate).", "",
+                  markdown(["kernel", "specialisations", "registers", "spills", "shared bytes"], rows), ""]
 
 
 def overlap_section(root: Path) -> list[str]:

@@ -1,4 +1,4 @@
-# The evidence archive: evidence/index.html and a page per evidence directory beside it
+# The evidence archive: evidence/index.html and a page per evidence directory in evidence/_pages/
 # (workflow/stages/html.py), plus what `snakemake --report report.html` shows.
 
 
@@ -15,6 +15,9 @@ REPORTED = {
     "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity"),
     "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark"),
     "bench_plot": (f"{E}/plots/bench.png", "bench-plot.rst", "Benchmark"),
+    "overlap_screen": (f"{E}/overlap/screen.json", "overlap-screen.rst", "Overlap"),
+    "overlap_plot": (f"{E}/plots/overlap.png", "overlap-plot.rst", "Overlap"),
+    "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels"),
 }
 ARCHIVE_INPUTS = {
     name: report(path, caption=f"../report/{caption}", category=category)

@@ -1,7 +1,8 @@
 """Stage `html`: the static HTML archive, `evidence/index.html` and one page per evidence directory.
 
-Pages live beside the directories (`evidence/<campaign>/<id>.html`), never inside one: a sealed
-directory's manifest lists every file, so a page written inside would read as tampering. Plain HTML
+Pages live in `evidence/_pages/<campaign>/<id>.html`, never inside an evidence directory (a sealed
+directory's manifest lists every file, so a page written inside would read as tampering) nor beside
+one (a campaign's folder holds evidence directories only; `_` starts no campaign name). Plain HTML
 with inline CSS, relative links only and every text escaped, so the archive can be moved, served by
 any static server or opened from the file system. No local paths or host names are written; the one
 exception is an http(s) tracking server, which is where the MLflow links have to point.
@@ -21,12 +22,13 @@ from urllib.parse import quote, urlsplit
 from workflow import archive
 from workflow.evidence import MANIFEST, list_files, write_text
 
+PAGES = "_pages"
 GENERATOR = "evident archive"
 """Marks the pages this stage writes, so that a page whose directory is gone can be removed safely."""
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
-main { max-width: 1180px; margin: 0 auto; padding: 20px 28px 48px; background: #fff; min-height: 100vh; }
+main { max-width: 1320px; margin: 0 auto; padding: 20px 28px 48px; background: #fff; min-height: 100vh; }
 h1 { font-size: 24px; margin: 4px 0 10px; word-break: break-all; } h2 { font-size: 19px; margin-top: 30px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
 h3, h4 { font-size: 16px; margin-top: 22px; } nav { font-size: 13px; color: #57606a; } nav a { color: #0969da; }
 a { color: #0969da; text-decoration: none; } a:hover { text-decoration: underline; }
@@ -36,7 +38,7 @@ code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; background: #e
 .badge { display: inline-block; font-size: 12px; padding: 1px 8px; border-radius: 10px; margin: 1px 4px 1px 0; border: 1px solid; white-space: nowrap; }
 .good { background: #dafbe1; color: #116329; border-color: #4ac26b; } .warn { background: #fff8c5; color: #7d4e00; border-color: #d4a72c; }
 .bad { background: #ffebe9; color: #a40e26; border-color: #ff8182; } .neutral { background: #eff1f3; color: #57606a; border-color: #d0d7de; }
-figure { margin: 10px 0; } img { max-width: 100%; border: 1px solid #d0d7de; } .muted { color: #57606a; font-size: 13px; }
+.index { overflow-x: auto; } .index td:nth-child(-n+4) { white-space: nowrap; } figure { margin: 10px 0; } img { max-width: 100%; border: 1px solid #d0d7de; } .muted { color: #57606a; font-size: 13px; }
 """
 
 BAD = ("fail", "regression", "gap", "mismatch", "slower", "spill", "missing", "changed")
@@ -191,8 +193,24 @@ def mlflow_section(ev: archive.Evidence, ui: str | None) -> str:
 
 # --- pages -----------------------------------------------------------------------------------
 
+def page_of(root: Path, ev: archive.Evidence) -> Path:
+    return root / PAGES / ev.path.parent.name / f"{ev.id}.html"
+
+
+def _files(ev: archive.Evidence) -> str:
+    """The evidence directory, relative to its page."""
+    return f"../../{ev.path.parent.name}/{ev.id}"
+
+
 def _size(n) -> str:
     return "?" if n is None else f"{n:,} B"
+
+
+def _disk_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:  # an unsealed directory still being written
+        return None
 
 
 def _gates(ev: archive.Evidence) -> Raw:
@@ -212,13 +230,13 @@ def files_section(ev: archive.Evidence) -> str:
     rows = []
     for rel in sorted(set(sealed) | on_disk):
         f = sealed.get(rel, {})
-        size = f.get("size") if rel in sealed else (ev.path / rel).stat().st_size
+        size = f.get("size") if rel in sealed else _disk_size(ev.path / rel)
         present = rel in on_disk
         note = badge("missing") if not present else (badge("not in manifest") if ev.sealed and rel not in sealed else "")
-        rows.append([link(f"{ev.id}/{rel}", rel) if present else rel, _size(size),
+        rows.append([link(f"{_files(ev)}/{rel}", rel) if present else rel, _size(size),
                      Raw(f"<code>{esc(f['sha256'][:16])}</code>") if f.get("sha256") else "—", note])
     if ev.sealed:
-        rows.append([link(f"{ev.id}/{MANIFEST}", MANIFEST), _size((ev.path / MANIFEST).stat().st_size), "—",
+        rows.append([link(f"{_files(ev)}/{MANIFEST}", MANIFEST), _size((ev.path / MANIFEST).stat().st_size), "—",
                      "seals the rest"])
     note = ("Presence is checked here; <code>evident verify</code> re-hashes every file against the manifest."
             if ev.sealed else "Not sealed: no manifest vouches for these files.")
@@ -240,17 +258,17 @@ def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
     ]
     summary_path = ev.path / "SUMMARY.md"
     if summary_path.is_file():
-        summary, shown = markdown(summary_path.read_text(errors="replace"), ev.id, lambda s: (ev.path / s).is_file())
+        summary, shown = markdown(summary_path.read_text(errors="replace"), _files(ev), lambda s: (ev.path / s).is_file())
     else:
         summary, shown = "<p class=muted>No SUMMARY.md: the directory was not sealed.</p>", set()
     plots = [rel for rel in list_files(ev.path) if rel.endswith(".png") and rel not in shown]
-    figures = "".join(f'<figure><img src="{esc(url(f"{ev.id}/{rel}"))}" alt="{esc(rel)}">'
+    figures = "".join(f'<figure><img src="{esc(url(f"{_files(ev)}/{rel}"))}" alt="{esc(rel)}">'
                       f"<figcaption class=muted>{esc(rel)}</figcaption></figure>" for rel in plots)
     stages = table(["stage", "status", "seconds", "metrics", "note"], [
         [r.get("name"), badge(r.get("status", "?")), r.get("seconds", ""), _metrics(r), r.get("error") or r.get("reason") or ""]
         for r in ev.records], {2})
     body = [
-        f'<nav>{link("../index.html", "Evidence archive")} / {esc(ev.campaign)} / {esc(ev.id)}</nav>',
+        f'<nav>{link("../../index.html", "Evidence archive")} / {esc(ev.campaign)} / {esc(ev.id)}</nav>',
         f"<h1>{esc(ev.id)}</h1>",
         f"<p>{badge(ev.state)} {_gates(ev)} {badge(ev.tracking.get('status', 'unknown'), 'MLflow: ' + ev.tracking.get('status', 'unknown'))}</p>",
         table(["what", "value"], facts),
@@ -279,10 +297,11 @@ def index_page(entries: list[archive.Evidence], ui: str | None) -> str:
         for e in (e for e in entries if e.path.parent.name == camp):
             summary = link(f"{camp}/{e.id}/SUMMARY.md", "SUMMARY.md") if (e.path / "SUMMARY.md").is_file() else "—"
             track = e.tracking.get("status", "unknown")
-            rows.append([link(f"{camp}/{e.id}.html", e.id), e.created or "—", Raw(f"<code>{esc(e.commit)}</code>"),
+            rows.append([link(f"{PAGES}/{camp}/{e.id}.html", e.id), e.created or "—", Raw(f"<code>{esc(e.commit)}</code>"),
                          f"{e.device} / {e.config.get('dtype', '?')}", _gates(e), badge(e.state), badge(track), summary])
-        body += [f'<h2 id="{esc(camp)}">{esc(camp)}</h2>',
-                 table(["evidence", "created (UTC)", "commit", "device / dtype", "verdicts", "state", "MLflow", ""], rows)]
+        body += [f'<h2 id="{esc(camp)}">{esc(camp)}</h2>', "<div class=index>",
+                 table(["evidence", "created (UTC)", "commit", "device / dtype", "verdicts", "state", "MLflow", ""], rows),
+                 "</div>"]
     if entries and not ui:
         body.append("<p class=muted>MLflow runs are in the working directory's store: <code>mlflow ui</code> there "
                     "shows them (each page lists its run ids).</p>")
@@ -296,9 +315,9 @@ def write_archive(root: str | Path = archive.ROOT, tracking_uri: str | None = No
     records = Path(records) if records is not None else root.parent / archive.TRACKING_RECORDS
     ui = ui_base(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     entries = archive.listing(root, records=records)
-    written = [write_text(e.path.with_name(f"{e.id}.html"), evidence_page(e, ui)) for e in entries]
-    for stale in root.glob("*/*.html"):
-        if not stale.with_suffix("").is_dir() and GENERATOR in stale.read_text(errors="replace")[:600]:
+    written = [write_text(page_of(root, e), evidence_page(e, ui)) for e in entries]
+    for stale in (root / PAGES).glob("*/*.html"):
+        if not (root / stale.parent.name / stale.stem).is_dir() and GENERATOR in stale.read_text(errors="replace")[:600]:
             stale.unlink()
     written.append(write_text(root / "index.html", index_page(entries, ui)))
     return written
