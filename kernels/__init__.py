@@ -1,4 +1,9 @@
 """Triton kernels of the engine, each with a torch reference, an admission predicate and a contract.
 
-The registry is kernels/KERNELS.md once kernels land; nothing here imports the rest of the project.
+gemv.py    gemv_exact, gemv_fused, gemm_per_token: one deterministic row kernel, bitwise contracts
+argmax.py  argmax_batch: greedy pick, lowest index on ties
+audit.py   registers, spills and shared memory of each compiled kernel
+bench.py   gemv_fused against F.linear on a GPU
+
+The registry is kernels/KERNELS.md. Nothing here imports the rest of the project.
 """

@@ -26,7 +26,7 @@ import triton.language as tl
 from ._admit import FLOATS, device_reason, dtype_reason, interpreting
 
 BLOCK_K = 1024  # the contract's reduction slice
-# One row per one-warp program: the fastest of BLOCK_N 1/2/4/8/16 x 1/2/4/8 warps on an H200 at K=4096,
+# One row per one-warp program: the fastest of BLOCK_N 1-16 x 1-8 warps on an H200 at K=4096,
 # N=2624 (kernels/bench.py --variants; with all of a row's loads issued up front it is no faster)
 BLOCK_N = 1
 NUM_WARPS = 1
