@@ -30,6 +30,8 @@ if not SEALED:
     include: "workflow/rules/bench.smk"
     include: "workflow/rules/overlap.smk"
     include: "workflow/rules/kernels.smk"
+    include: "workflow/rules/quality.smk"
+    include: "workflow/rules/profile.smk"
     include: "workflow/rules/seal.smk"
 
 

@@ -41,12 +41,15 @@ def _pick(logits: torch.Tensor, argmax=None) -> tuple[list[int], list[float]]:
 
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
              eos_token_id: int | list[int] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> Generation:
+             progress: Callable[[int, int], None] | None = None,
+             stop: Callable[[int, list[int]], bool] | None = None) -> Generation:
     """Greedy-decode up to ``max_new_tokens`` for each prompt (1..8 prompts, any lengths).
 
     A row stops after emitting an EOS id (kept in its output) or at max_new_tokens.
     ``progress(step, total)`` is called after the prefill (step 1) and after each batched decode step,
     with step = tokens generated so far by the longest row and total = max_new_tokens.
+    ``stop(row, tokens)`` is called after each token a row emits (tokens: its generated ids so far); when it
+    returns true the row stops there (a server's stop strings, streaming).
     """
     if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= MAX_BATCH:
         n = len(prompts) if isinstance(prompts, (list, tuple)) else type(prompts).__name__
@@ -77,6 +80,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             out.tokens[r].append(t)
             out.margins[r].append(m)
             done[r] = t in eos or len(out.tokens[r]) >= max_new_tokens
+            if stop is not None and stop(r, out.tokens[r]):
+                done[r] = True
 
     with torch.inference_mode():
         for r, p in enumerate(prompts):  # prefill, one row at a time

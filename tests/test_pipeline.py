@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import getpass
+import gzip
 import json
 import os
 import re
@@ -76,6 +77,9 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     for rel in ("MANIFEST.json", "SUMMARY.md", "config.yaml", "env.json", "checkpoint.json", "oracle/hf.json",
                 "parity/comparison.json", "bench/summary.csv", "bench/baseline.json", "plots/bench.png",
                 "overlap/screen.json", "overlap/timings.csv", "plots/overlap.png", "kernels/audit.json",
+                "quality/gsm8k64-hf.json", "quality/gsm8k64-engine.json", "quality/gsm8k64-hf-rows.jsonl",
+                "quality/gsm8k64-engine-rows.jsonl", "quality/gsm8k64-gate.json", "logs/quality-engine-server.log",
+                "profile/capture.json", "profile/kernels.csv", "profile/trace.json.gz", "plots/profile.png",
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
                 *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
                 *(f"bench/{b}-b{n}.json" for b in ("single", "collective") for n in (1, 4, 8))):
@@ -100,6 +104,11 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     assert "### Decode benchmark" in summary and "![decode tok/s" in summary
     assert "### Overlap A/B screen" in summary and "64/64 freshly drawn input sets" in summary
     assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
+    # the GSM8K quality gate (embedded set, engine through its endpoint against hf) and the profile capture
+    assert manifest["quality"] == "pass" and manifest["stages"]["quality"] == "ok"
+    assert "### GSM8K quality gate (8 test rows, 2 shots" in summary and "**Quality verdict: `pass`**" in summary
+    assert "a parity gate on extracted answers" in summary
+    assert "### Profile capture (torch, 4 decode steps" in summary and "ncu: no CUDA device" in summary
     cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
     assert {c["backend"] for c in cells} == {*backends, "host-staged vs collective"}
     bench = json.loads((ev / "bench/collective-b8.json").read_text())
@@ -115,7 +124,7 @@ def test_evidence_has_no_host_user_or_home(default_run):
                rf"\b{re.escape(socket.gethostname())}\b"]
     for p in ev.rglob("*"):
         if p.is_file() and p.suffix != ".png":  # compressed pixels match short words by chance
-            text = p.read_text()
+            text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
             for n in needles:
                 assert not re.search(n, text), f"{n!r} in {p.relative_to(ev)}"
 

@@ -12,8 +12,11 @@ import functools
 import math
 from pathlib import Path
 
+import yaml
+
 from workflow import benchstats, tracking
-from workflow.evidence import MANIFEST, file_table, read_config, read_json, stage_records, utc_now, write_json
+from workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
+                               utc_now, write_json)
 
 ROOT = Path("evidence")
 TRACKING_RECORDS = Path(".evident/tracking")
@@ -176,14 +179,48 @@ def load(path: str | Path, records: Path = TRACKING_RECORDS) -> Evidence:
     path = Path(path)
     try:
         config = read_config(path / "config.yaml") or {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, yaml.YAMLError):
         config = {}
     try:
         recs = stage_records(path)
     except (OSError, ValueError):
         recs = []
-    return Evidence(path=path, manifest=_json(path / MANIFEST), config=config, env=_json(path / "env.json") or {},
-                    records=recs, sync_record=_json(records / f"{path.name}.json"))
+    return Evidence(path=path, manifest=_manifest(_json(path / MANIFEST)), config=_dict(config),
+                    env=_typed(_json(path / "env.json"), {"packages": dict, "gpus": list}) or {},
+                    records=[_record(r) for r in recs if isinstance(r, dict) and isinstance(r.get("name"), str)],
+                    sync_record=_typed(_json(records / f"{path.name}.json"), {}))
+
+
+# A damaged file must not crash a listing (tests/reliability/test_fuzz.py): every field the archive reads is
+# coerced to the type it expects, or dropped.
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def _typed(doc, fields: dict[str, type]) -> dict | None:
+    if not isinstance(doc, dict):
+        return None
+    return {k: v for k, v in doc.items() if k not in fields or isinstance(v, fields[k])}
+
+
+def _manifest(doc) -> dict | None:
+    doc = _typed(doc, {"git": dict, "tracking": dict, "files": dict})
+    if doc is not None:
+        for k in ("created_utc", "sealed_utc", "campaign", "verdict"):
+            if k in doc and not isinstance(doc[k], str):
+                doc[k] = str(doc[k])
+        git = doc.get("git") or {}
+        doc["git"] = {k: v for k, v in git.items() if v is None or isinstance(v, str)}
+    return doc
+
+
+def _record(rec: dict) -> dict:
+    rec = _typed(rec, {"metrics": dict, "tags": dict, "params": dict, "files": list})
+    rec["files"] = [f for f in rec.get("files", []) if isinstance(f, str)]
+    for k in ("status", "started_utc", "error", "reason"):
+        if k in rec and not isinstance(rec[k], str):
+            rec[k] = str(rec[k])
+    return rec
 
 
 def listing(root: str | Path = ROOT, campaign: str | None = None, records: Path = TRACKING_RECORDS) -> list[Evidence]:
@@ -201,12 +238,16 @@ def verify(path: str | Path) -> dict:
     """
     path = Path(path)
     manifest = _json(path / MANIFEST)
-    if manifest is None or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return {"missing": [], "extra": [], "changed": [], "problems": [f"{MANIFEST} is missing or unreadable"]}
     sealed, now = manifest["files"], file_table(path)
     changed = [rel for rel in sorted(set(sealed) & set(now))
-               if (sealed[rel].get("sha256"), sealed[rel].get("size")) != (now[rel]["sha256"], now[rel]["size"])]
+               if not isinstance(sealed[rel], dict)
+               or (sealed[rel].get("sha256"), sealed[rel].get("size")) != (now[rel]["sha256"], now[rel]["size"])]
     problems = []
+    # Manifests sealed before the digest existed have none: their files are still checked, the manifest is not.
+    if DIGEST in manifest and manifest[DIGEST] != manifest_digest(manifest):
+        problems.append(f"{MANIFEST} edited after sealing: its {DIGEST} does not match its content")
     if manifest.get("evidence_id") not in (None, path.name):
         problems.append(f"directory renamed: the manifest names it {manifest['evidence_id']}")
     return {"missing": sorted(set(sealed) - set(now)), "extra": sorted(set(now) - set(sealed)),
@@ -254,7 +295,10 @@ def _bench_cells(ev: Evidence) -> dict[tuple, dict]:
     for p in sorted((ev.path / "bench").glob("*-b*.json")):
         cell = _json(p)
         if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
-            cells[(str(cell["backend"]), int(cell["batch"]))] = cell
+            try:
+                cells[(str(cell["backend"]), int(cell["batch"]))] = cell
+            except (TypeError, ValueError, OverflowError):
+                continue
     return cells
 
 
@@ -282,7 +326,7 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
         else:
             try:
                 claim = benchstats.directional_claim(y, x)
-            except benchstats.BenchError as e:
+            except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
                 claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
                          "reason": f"malformed cell: {e}"}
         out.append({"backend": key[0], "batch": key[1],
@@ -325,10 +369,10 @@ def verdict_diff(a: Evidence, b: Evidence) -> list[dict]:
             out.append({"what": f"stage {k}", "a": sa.get(k), "b": sb.get(k)})
 
     def cells(ev):
-        comp = ev.read("parity/comparison.json") or {}
+        comp = _dict(ev.read("parity/comparison.json"))
         return {f"parity {c.get('backend')}{'' if c.get('kernels', 'torch') == 'torch' else '-' + str(c['kernels'])} "
                 f"b{c.get('batch')} {c.get('case')}": c.get("verdict")
-                for c in comp.get("cells", []) if isinstance(c, dict)}
+                for c in (comp.get("cells") if isinstance(comp.get("cells"), list) else []) if isinstance(c, dict)}
 
     pa, pb = cells(a), cells(b)
     for k in sorted(set(pa) | set(pb)):
@@ -345,7 +389,7 @@ def limits(a: Evidence, b: Evidence) -> list[str]:
     keys = [k for k in _changed(_flat(a.config), _flat(b.config)) if k not in IGNORED_CONFIG_KEYS]
     if keys:
         out.append(f"config differs at {', '.join(keys)}")
-    pa, pb = a.env.get("packages", {}), b.env.get("packages", {})
+    pa, pb = _dict(a.env.get("packages")), _dict(b.env.get("packages"))
     versions = [f"{k} {pa.get(k)} vs {pb.get(k)}" for k in _changed(pa, pb)]
     if versions:
         out.append(f"versions differ: {'; '.join(versions)}")
@@ -353,8 +397,8 @@ def limits(a: Evidence, b: Evidence) -> list[str]:
                                     {k: v for k, v in b.env.items() if k != "packages"})]
     if env_keys:
         out.append(f"environment differs at {', '.join(env_keys)}")
-    ka = {n: f.get("sha256") for n, f in ((a.read("checkpoint.json") or {}).get("files") or {}).items()}
-    kb = {n: f.get("sha256") for n, f in ((b.read("checkpoint.json") or {}).get("files") or {}).items()}
+    ka = {n: _dict(f).get("sha256") for n, f in _dict(_dict(a.read("checkpoint.json")).get("files")).items()}
+    kb = {n: _dict(f).get("sha256") for n, f in _dict(_dict(b.read("checkpoint.json")).get("files")).items()}
     if ka != kb:
         out.append(f"checkpoint differs ({', '.join(_changed(ka, kb))})")
     for ev, side in ((a, "A"), (b, "B")):

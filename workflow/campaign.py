@@ -40,6 +40,50 @@ def validate_campaign(config: dict, schema: str) -> None:
     unknown = sorted(set(config["checkpoint"].get("config", {})) - MODEL_KEYS)
     if unknown:
         fail("checkpoint.config", f"unknown DeepSeek-V2 config field(s) {', '.join(map(repr, unknown))}")
+    check_inputs(config)
+
+
+def _strings(node, where: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(k, where or "<top level>")
+            yield from _strings(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _strings(v, f"{where}.{i}")
+    elif isinstance(node, str):
+        yield where, node
+
+
+def check_inputs(config: dict) -> None:
+    """What the schema cannot say, checked before any work (tests/reliability/test_bad_input.py).
+
+    Text must be valid UTF-8 (YAML's `\\udc80` escape gives a lone surrogate that no file can hold),
+    prompts must not be blank, a case cannot ask for more tokens than the model's context holds, and
+    `device: cuda` needs a GPU here (set EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without one, whose
+    jobs run elsewhere). A prompt's length in tokens needs the tokenizer: the checkpoint record checks it.
+    """
+    for where, text in _strings(config):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            fail(where, f"not valid UTF-8 text ({e.reason} at character {e.start})")
+    for i, case in enumerate(config["cases"]):
+        if not case["prompt"].strip():
+            fail(f"cases.{i}.prompt", "the prompt is blank")
+    if not config["bench"]["prompt"].strip():
+        fail("bench.prompt", "the prompt is blank")
+    context = config["checkpoint"].get("config", {}).get("max_position_embeddings")
+    if isinstance(context, int):
+        for i, case in enumerate(config["cases"]):
+            if case["max_new_tokens"] >= context:
+                fail(f"cases.{i}.max_new_tokens", f"{case['max_new_tokens']} new tokens do not fit the model's "
+                     f"context of {context} (checkpoint.config.max_position_embeddings) beside a prompt")
+    if config["device"] == "cuda" and not os.environ.get("EVIDENT_SKIP_DEVICE_CHECK"):
+        import torch  # only a cuda campaign pays for the import
+
+        if not torch.cuda.is_available():
+            fail("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto")
 
 
 def _redact_path(value: str) -> str:
@@ -59,4 +103,12 @@ def evidence_config(config: dict) -> dict:
     baseline = out.get("bench", {}).get("baseline")
     if baseline and ("/" in baseline or os.sep in baseline):
         out["bench"]["baseline"] = _redact_path(baseline)
+    gsm = out.get("quality", {}).get("gsm8k", {})
+    for split in ("test", "train"):  # data files: the name and a hash of the path; the stage records their sha256
+        if gsm.get(split):
+            gsm[split] = _redact_path(gsm[split])
+    targets = out.get("quality", {}).get("targets", [])
+    for t in targets:  # an endpoint URL may carry a host or credentials
+        if isinstance(t, dict) and t.get("url"):
+            t["url"] = f"<url>#{sha256_bytes(t['url'].encode())[:8]}"
     return out

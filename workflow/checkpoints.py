@@ -234,6 +234,29 @@ def describe(ckpt_dir: str | Path, expected: dict[str, str] | None = None) -> di
     return files
 
 
+def check_prompts(ckpt_dir: str | Path, config: dict) -> None:
+    """Each case's prompt plus its new tokens (and the bench prompt plus bench.new_tokens) must fit the
+    model's context (config.json max_position_embeddings), counted with the checkpoint's own tokenizer."""
+    from tokenizers import Tokenizer
+
+    root = Path(ckpt_dir)
+    context = read_json(root / "config.json").get("max_position_embeddings")
+    if not isinstance(context, int) or not (root / "tokenizer.json").is_file():
+        return
+    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+    items = [(f"cases.{i} ({c['name']})", c["prompt"], c.get("max_new_tokens", 32)) for i, c in enumerate(config["cases"])]
+    bench = config.get("bench") or {}
+    if bench.get("prompt"):
+        items.append(("bench", bench["prompt"], bench.get("new_tokens", 32)))
+    for where, prompt, new in items:
+        n = len(tok.encode(prompt).ids)
+        if n == 0:
+            raise CheckpointInvalid(f"{where}: the prompt encodes to no tokens")
+        if n + new > context:
+            raise CheckpointInvalid(f"{where}: the prompt is {n} tokens and {new} new tokens are asked: more than "
+                                    f"the model's context of {context} tokens (max_position_embeddings)")
+
+
 def cached_sha256(path: Path) -> str:
     st = path.stat()
     if st.st_size < (64 << 20):

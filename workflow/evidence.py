@@ -188,6 +188,8 @@ class Stage:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.primary:
             return False
+        if exc is None:
+            pause_for_test(self.name)
         record = {
             "name": self.name,
             "status": "failed" if exc is not None else ("skipped" if self.skipped else "ok"),
@@ -205,6 +207,18 @@ class Stage:
             record["error"] = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         write_json(self.dir / STAGES_DIR / f"{self.name}.json", record)
         return False
+
+
+SLOW_HOOK = "EVIDENT_TEST_SLOW_STAGE"
+
+
+def pause_for_test(name: str) -> None:
+    """Test hook: `EVIDENT_TEST_SLOW_STAGE=<stage>:<seconds>` sleeps once the stage's files are written
+    and before its record is, so a test can kill a stage at its most exposed point."""
+    stage, _, seconds = os.environ.get(SLOW_HOOK, "").partition(":")
+    if stage == name and seconds:
+        print(f"[{name}] {SLOW_HOOK}: pausing {seconds}s", flush=True)
+        time.sleep(float(seconds))
 
 
 def stage_records(evidence_dir: str | Path) -> list[dict]:
@@ -232,7 +246,18 @@ def file_table(evidence_dir: str | Path) -> dict[str, dict]:
     return {rel: {"sha256": sha256_file(root / rel), "size": (root / rel).stat().st_size} for rel in list_files(root)}
 
 
+DIGEST = "manifest_sha256"
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the canonical JSON of every manifest field but the digest itself (the file list, the
+    verdict, the stages): an edited manifest no longer matches. A checksum, not a signature: it catches
+    damage and hand edits, not someone who recomputes it."""
+    return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != DIGEST}))
+
+
 def write_manifest(evidence_dir: str | Path, fields: dict) -> Path:
     """Seal the directory: the manifest is written last, atomically, over every other file."""
     manifest = {"schema_version": SCHEMA_VERSION, **fields, "sealed_utc": utc_now(), "files": file_table(evidence_dir)}
+    manifest[DIGEST] = manifest_digest(manifest)
     return write_json(Path(evidence_dir) / MANIFEST, manifest)

@@ -63,6 +63,8 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         *bench_section(root),
         *overlap_section(root),
         *audit_section(root),
+        *quality_section(root),
+        *profile_section(root),
         "### Claim boundary",
         "",
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
@@ -162,6 +164,76 @@ def overlap_section(root: Path) -> list[str]:
             for env, e in tm["envelopes"].items()]),
         "",
         "![overlap A/B timings](plots/overlap.png)",
+        "",
+    ]
+    return out
+
+
+def quality_section(root: Path) -> list[str]:
+    """The GSM8K quality gate (quality/gsm8k64-*.json): per target correct/invalid, the verdict, flips."""
+    if not (root / "quality/gsm8k64-gate.json").is_file():
+        return []
+    g = read_json(root / "quality/gsm8k64-gate.json")
+    targets = sorted(p.name[len("gsm8k64-"):-len(".json")] for p in (root / "quality").glob("gsm8k64-*.json")
+                     if p.name != "gsm8k64-gate.json")
+    res = {t: read_json(root / f"quality/gsm8k64-{t}.json") for t in targets}
+    first = res[g["reference"]] if g["reference"] in res else next(iter(res.values()))
+    c, d = first["contract"], first["data"]
+    out = [
+        f"### GSM8K quality gate ({c['limit']} test rows, {c['shots']} shots, greedy, max {c['max_tokens']} tokens, "
+        f"stop {', '.join(f'`{s!r}`' for s in c['stop'])}, match `{c['match']}`)",
+        "",
+        f"**Quality verdict: `{g['verdict']}`** — {g['reason']}.",
+        "",
+    ]
+    if g.get("note"):
+        out += [f"Note: {g['note']}.", ""]
+    out += [
+        f"Data: test `{d['test']['name']}` ({d['test']['source']}, sha256 `{d['test']['sha256'][:16]}…`, "
+        f"{d['test']['rows']} rows), train `{d['train']['name']}` (sha256 `{d['train']['sha256'][:16]}…`).",
+        "",
+        markdown(["target", "correct", "accuracy", "invalid", "strict correct", "flexible correct", "seconds"], [
+            [f"`{t}`" + (" (reference)" if t == g["reference"] else ""), f"{r['correct']}/{r['n']}",
+             f"{r['accuracy']:.3f}", r["invalid"], r["by_match"]["strict"]["correct"],
+             r["by_match"]["flexible"]["correct"], f"{r['seconds']:.1f}"] for t, r in res.items()]),
+        "",
+    ]
+    for gate in g["gates"]:
+        if gate.get("same_completion") is not None:
+            out.append(f"- `{gate['candidate']}` against `{gate['reference']}`: `{gate['verdict']}`; identical completions "
+                       f"on {gate['same_completion']}/{gate['rows']} questions; flips (reference right, candidate wrong): "
+                       + (", ".join(f"q{f['id']} ({f['reference']} → {f['candidate']})" for f in gate["flips"]) or "none")
+                       + (f"; gains: {', '.join(f'q{i}' for i in gate['gains'])}" if gate["gains"] else ""))
+        else:
+            out.append(f"- `{gate['candidate']}` against `{gate['reference']}`: `{gate['verdict']}` ({gate['reason']})")
+    return out + [""]
+
+
+def profile_section(root: Path) -> list[str]:
+    """The profile capture (profile/capture.json): which tool ran, why others did not, the top kernels."""
+    if not (root / "profile/capture.json").is_file():
+        return []
+    cap = read_json(root / "profile/capture.json")
+    steps = cap.get("step_us") or []
+    med = sorted(steps)[len(steps) // 2] if steps else None
+    out = [
+        f"### Profile capture ({cap['tool']}, {cap['steps']} decode steps, batch {cap['batch']}, {cap['device']}"
+        + (f", {cap['gpu']}" if cap.get("gpu") else "") + ")",
+        "",
+        f"Ran: `{cap['tool']}` ({cap['command']}). Not run: "
+        + ("; ".join(f"{t}: {why}" for t, why in cap["not_run"].items()) or "—") + ".",
+        "",
+        f"{cap['kernel_count']} distinct kernels, {cap['launches']} launches; share = {cap['share_basis']}"
+        + (f"; median decode step {med / 1e3:.2f} ms (wall, under the tool)" if med else "") + ".",
+        "",
+        markdown(["kernel", "calls", "total µs", "mean µs", "share"], [
+            [f"`{k['kernel'][:80]}`", k["calls"], f"{k['total_us']:.1f}", f"{k['mean_us']:.2f}", f"{k['share_pct']:.1f}%"]
+            for k in cap["top"]]),
+        "",
+        "Full table: `profile/kernels.csv`" + ("; Chrome trace: `profile/trace.json.gz`" if cap["tool"] == "torch" else "")
+        + ".",
+        "",
+        "![top kernels](plots/profile.png)",
         "",
     ]
     return out

@@ -18,6 +18,8 @@ REPORTED = {
     "overlap_screen": (f"{E}/overlap/screen.json", "overlap-screen.rst", "Overlap"),
     "overlap_plot": (f"{E}/plots/overlap.png", "overlap-plot.rst", "Overlap"),
     "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels"),
+    "quality_gate": (f"{E}/quality/gsm8k64-gate.json", "quality-gate.rst", "Quality"),
+    "profile_plot": (f"{E}/plots/profile.png", "profile-plot.rst", "Profile"),
 }
 ARCHIVE_INPUTS = {
     name: report(path, caption=f"../report/{caption}", category=category)

@@ -12,6 +12,35 @@ RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: 
 EID = evidence_id(GIT, RECORDED, config["repeat"])
 E = f"evidence/{config['campaign']}/{EID}"
 SEALED = os.path.exists(f"{E}/MANIFEST.json")
+
+
+def hold_evidence_lock(path):
+    """Two invocations writing one evidence directory: the second is refused here, naming the first. Snakemake's
+    own lock covers a running DAG's files only (a second run is first told to `--rerun-incomplete` the running
+    job's outputs) and a SIGKILLed run leaves it behind (`--unlock`); this flock is held by the running
+    snakemake process and released by the kernel when it ends, however it ends."""
+    import fcntl
+
+    from snakemake.exceptions import WorkflowError
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise WorkflowError(f"evidence directory {E} is being written by another snakemake run "
+                            f"({f.read().strip() or 'pid unknown'}) in this working directory; wait for it to end "
+                            "and run again (its lock goes when its process does)")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+if not SEALED and not workflow.dryrun and workflow.is_main_process:
+    EVIDENCE_LOCK = hold_evidence_lock(f".evident/locks/{config['campaign']}/{EID}.lock")
 GATE = f".evident/gates/{config['campaign']}/{EID}.json"
 SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
 CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
@@ -62,3 +91,22 @@ def evidence_dir(wildcards):
 # `snakemake --lint` asks for a conda environment or container per rule. Deliberately none: the
 # project's own virtual environment (`make run`) is the software environment, recorded in
 # env.json, and the lent GPU machines have neither conda nor a container runtime.
+
+
+# The quality stage (rules/quality.smk): its targets, and the paths and URLs that travel on its command line.
+def quality_args(wildcards):
+    """Paths and URLs travel on the command line: the evidence config records names and hashes only."""
+    q, g = config["quality"], config["quality"]["gsm8k"]
+    args = []
+    if g["source"] == "local":
+        args += [f"--test '{g['test']}'" if g["test"] else "", f"--train '{g['train']}'" if g["train"] else ""]
+    args += [f"--endpoint '{t['name']}={t['url']}'" for t in q["targets"] if isinstance(t, dict)]
+    return " ".join(a for a in args if a)
+
+
+def quality_data():
+    g = config["quality"]["gsm8k"]
+    return [g[s] for s in ("test", "train") if g["source"] == "local" and g[s]]
+
+
+QUALITY_TARGETS = [t if isinstance(t, str) else t["name"] for t in config["quality"]["targets"]]

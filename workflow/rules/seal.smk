@@ -10,6 +10,8 @@ rule seal:
         rules.bench_report.output,
         rules.overlap.output.screen,
         rules.kernel_audit.output,
+        rules.quality.output.gate,
+        rules.profile.output.capture,
     output:
         summary=f"{E}/SUMMARY.md",
         manifest=f"{E}/MANIFEST.json",

@@ -35,6 +35,7 @@ def record(ckpt_dir: Path, evidence: Path) -> None:
     spec = config["checkpoint"]
     with Stage(evidence, "checkpoint", params={"source": spec["source"]}) as st:
         files = checkpoints.describe(ckpt_dir, spec.get("sha256"))
+        checkpoints.check_prompts(ckpt_dir, config)  # before any engine or oracle work
         rec = {
             "source": spec["source"],
             "revision": spec.get("revision"),

@@ -1,6 +1,7 @@
 """Stage `gate`: after sealing, fail the run when `parity.require_exact` and the verdict is not exact, or when
 the overlap A/B screen (overlap/screen.json, if sealed in the directory) found outputs of A and B that differ,
-or the kernel resource audit (kernels/audit.json) found a kernel that spills registers."""
+or the kernel resource audit (kernels/audit.json) found a kernel that spills registers, or the GSM8K quality gate
+(quality/gsm8k64-gate.json) did not pass."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from workflow.evidence import MANIFEST, read_config, read_json, write_json
 
 OVERLAP = "overlap/screen.json"
 AUDIT = "kernels/audit.json"
+QUALITY = "quality/gsm8k64-gate.json"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     verdict = manifest["verdict"]
     overlap = read_json(args.evidence / OVERLAP)["verdict"] if OVERLAP in manifest["files"] else None
     audit = read_json(args.evidence / AUDIT)["verdict"] if AUDIT in manifest["files"] else None
+    quality = read_json(args.evidence / QUALITY) if QUALITY in manifest["files"] else None
     if config["parity"]["require_exact"] and verdict != "all_token_text_exact":
         sys.exit(f"[gate] parity.require_exact is set and the verdict is {verdict}; the evidence is sealed in {args.evidence}")
     if overlap == "bitwise_mismatch":
@@ -32,9 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     if audit == "spills":
         sys.exit(f"[gate] the kernel resource audit found register spills (see {AUDIT}); "
                  f"the evidence is sealed in {args.evidence}")
-    write_json(args.out, {"evidence": str(args.evidence), "verdict": verdict, "overlap": overlap, "audit": audit})
+    if quality is not None and quality["verdict"] != "pass":
+        sys.exit(f"[gate] the GSM8K quality gate says {quality['verdict']}: {quality['reason']} (see {QUALITY}); "
+                 f"the evidence is sealed in {args.evidence}")
+    quality = quality["verdict"] if quality else None
+    write_json(args.out, {"evidence": str(args.evidence), "verdict": verdict, "overlap": overlap, "audit": audit,
+                          "quality": quality})
     print(f"[gate] {args.evidence}: {verdict}" + (f", overlap {overlap}" if overlap else "")
-          + (f", kernel audit {audit}" if audit else ""), flush=True)
+          + (f", kernel audit {audit}" if audit else "") + (f", quality {quality}" if quality else ""), flush=True)
 
 
 if __name__ == "__main__":

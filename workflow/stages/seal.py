@@ -10,10 +10,12 @@ import argparse
 import getpass
 import re
 import socket
+import sys
 from pathlib import Path
 
-from workflow import tracking
-from workflow.evidence import config_hash, read_config, stage_records, verdict_of, write_manifest, write_text
+from workflow import privacy, tracking
+from workflow.evidence import (config_hash, read_config, stage_records, pause_for_test, verdict_of, write_manifest,
+                               write_text)
 from workflow.summary import render
 
 
@@ -35,6 +37,13 @@ def scrub_logs(root: Path) -> None:
             write_text(log, text)
 
 
+def remove_stale_temps(root: Path) -> None:
+    """A stage killed inside an atomic write leaves its hidden temp file (`.<name>.*.tmp`): never evidence."""
+    for tmp in root.rglob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
@@ -47,9 +56,17 @@ def main(argv: list[str] | None = None) -> None:
     config = read_config(root / "config.yaml")
     git = {"commit": args.commit or None, "dirty": args.dirty or None}
     scrub_logs(root)
+    remove_stale_temps(root)
     write_text(root / "SUMMARY.md", render(root, git))
+    # Scrub what is expected (paths in logs), then scan everything, before anything reaches MLflow: its
+    # params, tags and artifacts all come from these files (stage records, config.yaml, the stages' files).
+    findings = privacy.scan_dir(root)
+    if findings:
+        sys.exit(f"[seal] refusing to seal {root}: {len(findings)} secret or private value(s) found "
+                 f"(nothing was logged to MLflow, no manifest written):\n" + "\n".join(f"  {f}" for f in findings))
     records = stage_records(root)
     verdict = verdict_of(records)
+    quality = next((r["tags"]["quality.verdict"] for r in records if "quality.verdict" in r.get("tags", {})), None)
 
     ids, track = None, {"status": "disabled"}
     if not args.no_tracking:
@@ -61,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             track = {"status": "pending", "reason": _reason(e)}
             print(f"[seal] MLflow unreachable, tracking pending: {type(e).__name__}: {e}", flush=True)
 
+    pause_for_test("seal")  # test hook: tracking logged, the manifest not yet written
     write_manifest(root, {
         "evidence_id": root.name,
         "campaign": config["campaign"],
@@ -69,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         "config_sha256": config_hash(config),
         "stages": {r["name"]: r["status"] for r in records},
         "verdict": verdict,
+        "quality": quality,
         "tracking": track,
     })
     if ids:

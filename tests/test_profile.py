@@ -1,0 +1,91 @@
+"""The profile capture stage (workflow/stages/profile.py): tool choice, the ncu/nsys CSV parsers, and the CPU run
+through torch.profiler producing its kernel table, plot, trace and SUMMARY section."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+
+import pytest
+import torch
+
+import tinyev
+from workflow import summary
+from workflow.evidence import read_json
+from workflow.stages import profile
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU capture is tested on a machine without CUDA")
+    cfg = tinyev.config(nsight={"steps": 3})
+    ckpt, ev = tinyev.make(tmp_path_factory.mktemp("profile"), cfg)
+    cap = profile.run(ckpt, ev)
+    return ev, cap
+
+
+def test_cpu_capture_uses_torch_profiler_and_says_why_not_ncu(cpu_run):
+    ev, cap = cpu_run
+    c = read_json(ev / "profile/capture.json")
+    assert c["tool"] == "torch" and c["device"] == "cpu" and len(c["step_us"]) == 3
+    assert c["not_run"] == {"ncu": "no CUDA device: it profiles GPU kernels", "nsys": "no CUDA device: it profiles GPU kernels"}
+    assert c["nvtx_ranges"] == ["prefill", "decode_step_0", "decode_step_1", "decode_step_2"]
+    rec = read_json(ev / "stages/profile.json")
+    assert rec["status"] == "ok" and rec["tags"]["profile.tool"] == "torch"
+    assert {"plots/profile.png", "profile/capture.json", "profile/kernels.csv", "profile/trace.json.gz"} <= set(rec["files"])
+
+
+def test_kernel_table(cpu_run):
+    ev, _ = cpu_run
+    rows = list(csv.DictReader((ev / "profile/kernels.csv").open()))
+    assert list(rows[0]) == profile.CSV_HEADER and any(r["kernel"] in ("aten::mm", "aten::addmm", "aten::bmm") for r in rows)
+    totals = [float(r["total_us"]) for r in rows]
+    assert totals == sorted(totals, reverse=True) and all(int(r["calls"]) >= 1 for r in rows)
+    assert 0 < sum(float(r["share_pct"]) for r in rows) <= 100.5  # self times within the steps' wall time
+    for r in rows:
+        assert abs(float(r["mean_us"]) * int(r["calls"]) - float(r["total_us"])) < 0.01 * float(r["total_us"]) + 0.01
+    assert (ev / "plots/profile.png").read_bytes().startswith(PNG)
+
+
+def test_trace_is_a_chrome_trace_without_paths(cpu_run):
+    ev, _ = cpu_run
+    raw = gzip.decompress((ev / "profile/trace.json.gz").read_bytes())
+    trace = json.loads(raw)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"prefill", "decode_step_0"} <= names
+    assert str(tinyev.REPO).encode() not in raw and b"/home/" not in raw
+
+
+def test_summary_section(cpu_run):
+    ev, _ = cpu_run
+    text = "\n".join(summary.profile_section(ev))
+    assert "### Profile capture (torch, 3 decode steps" in text and "ncu: no CUDA device" in text
+    assert "profile/kernels.csv" in text and "plots/profile.png" in text
+
+
+def test_tool_choice(monkeypatch):
+    monkeypatch.setattr(profile.shutil, "which", lambda t: f"/usr/bin/{t}" if t == "nsys" else None)
+    order, why = profile.choose("auto", cuda=True)
+    assert order == ["nsys", "torch"] and why == {"ncu": "not found on PATH"}
+    with pytest.raises(RuntimeError, match="nsight.tool is ncu but it cannot run here: not found on PATH"):
+        profile.choose("ncu", cuda=True)
+    order, why = profile.choose("torch", cuda=True)
+    assert order == ["torch"] and set(why) == {"ncu", "nsys"}
+
+
+def test_ncu_and_nsys_csv_parsers():
+    ncu = ('==PROF== Disconnected\n"ID","Process ID","Host Name","Kernel Name","gpu__time_duration.sum"\n'
+           '"","","","","usecond"\n"0","1","h","gemv","2.50"\n"1","1","h","argmax","1.00"\n"2","1","h","gemv","3.50"\n')
+    launches = profile.parse_ncu_csv(ncu)
+    assert launches == [("gemv", 2.5), ("argmax", 1.0), ("gemv", 3.5)]
+    t = profile.table(launches)
+    assert t[0] == {"kernel": "gemv", "calls": 2, "total_us": 6.0, "mean_us": 3.0, "share_pct": pytest.approx(100 * 6 / 7)}
+    nsys = ('"Time (%)","Total Time (ns)","Instances","Avg (ns)","Med (ns)","Min (ns)","Max (ns)","StdDev (ns)","Name"\n'
+            '"60.0","3000","3","1000.0","1000.0","900","1100","10.0","gemv"\n'
+            '"40.0","2000","1","2000.0","2000.0","2000","2000","0.0","argmax"\n')
+    t = profile.table(rows=profile.parse_nsys_csv(nsys))
+    assert [(k["kernel"], k["calls"], k["total_us"]) for k in t] == [("gemv", 3, 3.0), ("argmax", 1, 2.0)]

@@ -1,0 +1,24 @@
+# Kernel-level capture around a few decode steps of the engine: ncu (--clock-control none), else nsys, else
+# torch.profiler; the kernel table, a plot and the top kernels in SUMMARY.md.
+
+
+rule profile:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+        env=rules.context.output.env,
+    output:
+        capture=f"{E}/profile/capture.json",
+        kernels=f"{E}/profile/kernels.csv",
+        plot=f"{E}/plots/profile.png",
+    # A capture times kernels: no other job beside it on a GPU; on the CPU it only needs one core's worth.
+    threads: 1 if config["device"] == "cpu" else workflow.cores
+    params:
+        py=PY,
+        ev=evidence_dir,
+    log:
+        f"{E}/logs/profile.log",
+    benchmark:
+        f"{E}/logs/profile.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.profile --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

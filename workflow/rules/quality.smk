@@ -1,0 +1,25 @@
+# GSM8K-64 on each quality target (hf in process, the engine through its endpoint, any endpoint URL), then the
+# quality gate of every candidate against the reference. The stage starts and stops the engine's server itself.
+
+
+rule quality:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+        data=quality_data(),
+    output:
+        results=[f"{E}/quality/gsm8k64-{t}.json" for t in QUALITY_TARGETS],
+        rows=[f"{E}/quality/gsm8k64-{t}-rows.jsonl" for t in QUALITY_TARGETS],
+        gate=f"{E}/quality/gsm8k64-gate.json",
+    # hf in process, then the engine server as a second process: one core each at most at a time
+    threads: 1 if config["device"] == "cpu" else workflow.cores
+    params:
+        py=PY,
+        ev=evidence_dir,
+        args=quality_args,
+    log:
+        f"{E}/logs/quality.log",
+    benchmark:
+        f"{E}/logs/quality.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.quality --checkpoint {input.ckpt} --evidence {params.ev} {params.args} 2>&1 | tee {log}"

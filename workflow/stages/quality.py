@@ -1,0 +1,257 @@
+"""Stage `quality`: GSM8K-64 on each target, then the quality gate of every candidate against the reference.
+
+Targets (`quality.targets`): `hf` (transformers DeepseekV2, in process, as the oracle loads it), `engine`
+(this project's engine behind its OpenAI-compatible endpoint, `python -m engine.serve`, started here on a
+free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log) and
+`{name, url}` (any OpenAI-compatible `/v1/completions` endpoint). Same data, same contract for all
+(workflow/gsm8k.py). Outputs: quality/gsm8k64-<target>.json, quality/gsm8k64-<target>-rows.jsonl and
+quality/gsm8k64-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
+anything but `pass`, after sealing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from workflow import checkpoints, environment, gsm8k
+from workflow.evidence import Stage, read_config, read_json, write_text
+
+READY_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 600
+NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy is near zero, so this gate checks that the "
+               "candidate answers as the reference does (a parity gate on extracted answers), not model quality")
+
+
+def target_name(t) -> str:
+    return t if isinstance(t, str) else t["name"]
+
+
+# --- targets -----------------------------------------------------------------------------------
+
+class _StopOnText:
+    """Stop once the decoded completion holds a stop string (the engine endpoint's rule; transformers' own
+    stop_strings builds per-call tables over the vocabulary, seconds a call)."""
+
+    def __init__(self, tok, start: int, stops: list[str]):
+        self.tok, self.start, self.stops = tok, start, stops
+
+    def __call__(self, input_ids, scores, **kwargs):
+        text = self.tok.decode(input_ids[0, self.start:], skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in self.stops)], device=input_ids.device)
+
+
+@torch.inference_mode()
+def run_hf(ckpt: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+    StopOnText = type("StopOnText", (_StopOnText, StoppingCriteria), {})
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    placement = {"device_map": device} if device != "cpu" else {}
+    model, info = AutoModelForCausalLM.from_pretrained(ckpt, dtype=checkpoints.DTYPES[dtype], output_loading_info=True,
+                                                       **placement)
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise checkpoints.CheckpointInvalid(f"transformers could not load the checkpoint cleanly: {bad}")
+    model = model.to(device).eval()
+    out = []
+    for i, it in enumerate(items, 1):
+        ids = tok(it["prompt"])["input_ids"]
+        gen = model.generate(torch.tensor([ids], device=device),
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+                             max_new_tokens=cfg["max_tokens"], do_sample=False, num_beams=1,
+                             stopping_criteria=StoppingCriteriaList([StopOnText(tok, len(ids), list(cfg["stop"]))]))
+        text = tok.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        out.append(gsm8k.truncate(text, list(cfg["stop"])))
+        log(f"hf {i}/{len(items)}")
+    return out, {"implementation": "transformers.DeepseekV2ForCausalLM (native, eager), in process",
+                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def complete(base: str, prompt: str, cfg: dict, model: str | None) -> str:
+    body = {"prompt": prompt, "max_tokens": cfg["max_tokens"], "temperature": 0, "stop": list(cfg["stop"]) or None}
+    if model:
+        body["model"] = model
+    req = urllib.request.Request(f"{base}/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            doc = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"endpoint answered {e.code}: {e.read()[:500].decode(errors='replace')}") from e
+    # An endpoint that ignores `stop` still gets the contract: cut at the first stop string.
+    return gsm8k.truncate(doc["choices"][0]["text"], list(cfg["stop"]))
+
+
+def run_endpoint(base: str, items: list[dict], cfg: dict, log, name: str) -> list[str]:
+    models = _get(f"{base}/models", 30)
+    model = models["data"][0]["id"] if models.get("data") else None
+    out = []
+    for i, it in enumerate(items, 1):
+        out.append(complete(base, it["prompt"], cfg, model))
+        log(f"{name} {i}/{len(items)}")
+    return out
+
+
+def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
+    """Start `python -m engine.serve` on a free port of 127.0.0.1, wait for /v1/models, evaluate, always stop it."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}/v1"
+    server_log = evidence / "logs/quality-engine-server.log"
+    server_log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt.resolve()), "--device", device, "--dtype", dtype,
+           "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine"]
+    with open(server_log, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+        try:
+            t0 = time.perf_counter()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the engine server exited with {proc.returncode} before it was ready "
+                                       f"(see logs/quality-engine-server.log)")
+                try:
+                    _get(f"{base}/models", 2)
+                    break
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    if time.perf_counter() - t0 > READY_TIMEOUT_S:
+                        raise RuntimeError(f"the engine server was not ready within {READY_TIMEOUT_S}s "
+                                           f"(see logs/quality-engine-server.log)")
+                    time.sleep(0.2)
+            ready = time.perf_counter() - t0
+            log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
+            texts = run_endpoint(base, items, cfg, log, "engine")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m engine.serve, "
+                                     "127.0.0.1, /v1/completions, greedy, batch 1)",
+                   "server_ready_s": round(ready, 3), "versions": {"torch": torch.__version__}}
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: str | None = None,
+        endpoints: dict[str, str] | None = None) -> dict:
+    config = read_config(evidence / "config.yaml")
+    q = config["quality"]
+    cfg = q["gsm8k"]
+    device = environment.resolve_device(config["device"])
+    targets = q["targets"]
+    names = [target_name(t) for t in targets]
+    if q["reference"] not in names:
+        raise ValueError(f"quality.reference {q['reference']!r} is not one of quality.targets {names}")
+    params = {"targets": names, "reference": q["reference"], "tolerance": q["tolerance"],
+              "fail_on_flips": q["fail_on_flips"], "source": cfg["source"], "limit": cfg["limit"], "shots": cfg["shots"],
+              "max_tokens": cfg["max_tokens"], "match": cfg["match"], "device": device, "dtype": config["dtype"]}
+    with Stage(evidence, "quality", params=params) as st:
+        checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
+        test, test_m = gsm8k.load_split(cfg, "test", test_path)
+        train, train_m = gsm8k.load_split(cfg, "train", train_path)
+        if len(test) < cfg["limit"]:
+            raise gsm8k.DataError(f"quality.gsm8k.limit: {cfg['limit']} rows asked, the test data has {len(test)}")
+        items = gsm8k.build_prompts(test, train, cfg["limit"], cfg["shots"])
+        data = {"test": test_m, "train": train_m}
+        contract = gsm8k.contract(cfg)
+        limit = json.loads((ckpt / "config.json").read_text()).get("max_position_embeddings")
+        if limit:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+            longest = max(len(tok.encode(it["prompt"]).ids) for it in items)
+            if longest + cfg["max_tokens"] > limit:
+                raise ValueError(f"quality.gsm8k: the longest prompt ({longest} tokens, {cfg['shots']} shots) + max_tokens "
+                                 f"{cfg['max_tokens']} exceed the model's max_position_embeddings {limit}; lower "
+                                 f"quality.gsm8k.shots or max_tokens, or use a model with a longer context")
+
+        def log(msg: str) -> None:
+            print(f"[quality] {msg}", flush=True)
+
+        results, rows_of = {}, {}
+        for t in targets:
+            name = target_name(t)
+            t0 = time.perf_counter()
+            if t == "hf":
+                texts, meta = run_hf(ckpt, items, cfg, config["dtype"], device, log)
+            elif t == "engine":
+                texts, meta = run_engine(ckpt, evidence, items, cfg, config["dtype"], device, log)
+                st.add_file(evidence / "logs/quality-engine-server.log")
+            else:
+                url = (endpoints or {}).get(name) or t["url"]
+                if url.startswith("<url>"):
+                    raise ValueError(f"quality.targets: endpoint {name!r} needs its URL (--endpoint {name}=URL): "
+                                     f"the evidence config records a hash of it only")
+                texts = run_endpoint(url.rstrip("/"), items, cfg, log, name)
+                meta = {"implementation": "an OpenAI-compatible endpoint (URL not recorded)"}
+            rows, summary = gsm8k.score(items, texts, cfg["match"])
+            res = {"target": name, **meta, "contract": contract, "data": data, **summary,
+                   "seconds": round(time.perf_counter() - t0, 3), "device": device, "dtype": config["dtype"]}
+            st.write_json(f"quality/gsm8k64-{name}.json", res)
+            p = evidence / f"quality/gsm8k64-{name}-rows.jsonl"
+            st.add_file(write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)))
+            results[name], rows_of[name] = res, rows
+            st.metrics[f"{name}_correct"] = res["correct"]
+            st.metrics[f"{name}_accuracy"] = res["accuracy"]
+            st.metrics[f"{name}_invalid"] = res["invalid"]
+            log(f"{name}: {res['correct']}/{res['n']} correct ({cfg['match']}), {res['invalid']} invalid, "
+                f"{res['seconds']:.1f}s")
+        ref = q["reference"]
+        gates = [gsm8k.gate(results[ref], results[n], rows_of[ref], rows_of[n], q["tolerance"], q["fail_on_flips"])
+                 for n in names if n != ref]
+        order = {v: i for i, v in enumerate(gsm8k.VERDICTS)}
+        verdict = max((g["verdict"] for g in gates), key=order.get) if gates else "pass"
+        random = read_config(evidence / "config.yaml")["checkpoint"]["source"] == "synthetic"
+        doc = {"verdict": verdict, "reference": ref, "gates": gates, "random_weights": random,
+               "note": NOTE_RANDOM if random else None,
+               "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates) or "no candidate: nothing to gate"}
+        st.write_json("quality/gsm8k64-gate.json", doc)
+        st.tags["quality.verdict"] = verdict
+        st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
+        log(f"gate {verdict}: {doc['reason']}")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, type=Path)
+    ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--test", default=None, help="quality.gsm8k.test (source local): the evidence records its name only")
+    ap.add_argument("--train", default=None, help="quality.gsm8k.train (source local)")
+    ap.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
+                    help="the URL of an endpoint target (the evidence records a hash of it only)")
+    args = ap.parse_args(argv)
+    try:
+        endpoints = dict(e.split("=", 1) for e in args.endpoint)
+        run(args.checkpoint, args.evidence, args.test, args.train, endpoints)
+    except (gsm8k.DataError, checkpoints.CheckpointInvalid, ValueError, RuntimeError) as e:
+        sys.exit(f"[quality] error: {e}")
+
+
+if __name__ == "__main__":
+    main()
