@@ -41,7 +41,10 @@ def campaign(tmp: Path, **overrides) -> Path:
     cfg = {"campaign": "e2e", "device": "cpu", "checkpoint": copy.deepcopy(TINY["checkpoint"]),
            "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
            "parity": {"batch_sizes": [1, 3], "backends": ["single"]},
-           "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0}}
+           "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
+           # the schema's GSM8K defaults (64 rows, 5 shots) do not fit the embedded set and the tiny context
+           "quality": {"targets": ["hf", "engine"], "reference": "hf",
+                       "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}}}
     for key, value in overrides.items():
         node = cfg
         *path, last = key.split(".")
