@@ -22,10 +22,10 @@ def enable(model: Transformer) -> Transformer:
     """Attach the kernels to ``model`` in place. Imports Triton here, not at engine import: the
     interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels' decorators."""
     from kernels.argmax import argmax_batch
-    from kernels.gemv import fused_reason, gemm_per_token, gemv_fused, per_token_reason
+    from kernels.gemv import gemm_per_token, gemv_fused
 
     def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        return None if per_token_reason(x, w) else gemm_per_token(x, w)
+        return gemm_per_token(x, w, fallback=lambda: None)  # None: the Linear takes its torch path
 
     def pair(a: Linear, b: Linear):
         """A kernel for a(x), b(x), after re-seating both weights as views of one [Na + Nb, K] tensor."""
@@ -37,10 +37,10 @@ def enable(model: Transformer) -> Transformer:
 
         def kernel(x: torch.Tensor):
             flat = x.reshape(-1, x.shape[-1])
-            if flat.shape[0] != 1 or fused_reason(flat[0], joined, sizes, [x.dtype] * 2):
+            if flat.shape[0] != 1:
                 return None
-            ya, yb = gemv_fused(flat[0], joined, sizes, [x.dtype] * 2)
-            return ya.view(*x.shape[:-1], -1), yb.view(*x.shape[:-1], -1)
+            ys = gemv_fused(flat[0], joined, sizes, [x.dtype] * 2, fallback=lambda: None)
+            return None if ys is None else tuple(y.view(*x.shape[:-1], -1) for y in ys)
 
         return kernel
 

@@ -138,9 +138,12 @@ def fused_reason(x, w, sizes: Sequence[int], out_dtypes: Sequence[torch.dtype], 
 
 
 def gemv_fused(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int], out_dtypes: Sequence[torch.dtype],
-               block_k: int = BLOCK_K) -> list[torch.Tensor]:
-    """GEMVs of x against consecutive row segments of w (sizes), in one launch; segment s in out_dtypes[s]."""
+               block_k: int = BLOCK_K, fallback=None) -> list[torch.Tensor]:
+    """GEMVs of x against consecutive row segments of w (sizes), in one launch; segment s in out_dtypes[s].
+    Inadmissible inputs return ``fallback()`` when given (the caller's own path), else gemv_exact per segment."""
     if fused_reason(x, w, sizes, out_dtypes, block_k):
+        if fallback is not None:
+            return fallback()
         return [gemv_exact(x, part, d, block_k) for part, d in zip(w.split(list(sizes)), out_dtypes)]
     outs = [torch.empty(n, dtype=d, device=x.device) for n, d in zip(sizes, out_dtypes)]
     ends = list(itertools.accumulate(sizes))
@@ -157,9 +160,12 @@ def per_token_reason(x, w, out_dtype=None, block_k: int = BLOCK_K) -> str | None
 
 
 def gemm_per_token(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-                   block_k: int = BLOCK_K) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ w[N, K]^T, each row computed exactly as gemv_exact computes it alone."""
+                   block_k: int = BLOCK_K, fallback=None) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ w[N, K]^T, each row computed exactly as gemv_exact computes it alone.
+    Inadmissible inputs return ``fallback()`` when given (the caller's own path), else gemv_exact per row."""
     if per_token_reason(x, w, out_dtype, block_k):
+        if fallback is not None:
+            return fallback()
         return torch.stack([gemv_exact(row, w, out_dtype, block_k) for row in x]) if len(x) else \
             torch.empty(0, w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
