@@ -18,8 +18,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
+# `evident run` checks the campaign files, then runs snakemake with these arguments.
 run: $(VENV)/.installed
-	$(BIN)/snakemake --cores $(CORES) $(ARGS)
+	$(BIN)/evident run --cores $(CORES) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -6,6 +6,8 @@ measured in the same run, and the block-shape variants behind the chosen constan
 Times are medians in µs of CUDA-graph replays timed with CUDA events (no host launch cost counted):
 - streamed: calls back to back, each on its own copy of the weights (8 copies, over 2x the L2), so every
   call reads its weights from HBM as in a decode step; the figure set against the HBM floor;
+- marginal: what one more call adds to such a stream, (48 calls - 16 calls) / 32: the graph's launch and
+  the stream's ramp-up cancel out, as in a decode step of hundreds of kernels;
 - cold: one call per replay after an L2 scrub (reading 2x the L2); includes the graph launch, ~3.4 µs
   for a one-element kernel on an H200;
 - warm: 20 calls back to back on the same weights (partly served by the L2).
@@ -72,12 +74,18 @@ def cold_us(fn, trials: int = 300, scrub: str = "read") -> float:
     return float(torch.tensor(times).median())
 
 
-def streamed_us(fn_of_w, w: torch.Tensor, copies: int = 8) -> float:
+def streamed_us(fn_of_w, w: torch.Tensor, copies: int = 8, calls: int = 16) -> float:
     """Median µs per call of a graph of calls back to back, each on its own copy of the weights (together
     over 2x the L2): every call streams its weights from HBM, as a decode step does layer after layer."""
     ws = [w.clone() for _ in range(copies)]
-    calls = iter(range(10**9))
-    return graph_us(lambda: fn_of_w(ws[next(calls) % copies]), calls=2 * copies)
+    n = iter(range(10**9))
+    return graph_us(lambda: fn_of_w(ws[next(n) % copies]), calls=calls)
+
+
+def marginal_us(fn_of_w, w: torch.Tensor) -> float:
+    """What one more call adds to a stream of them: (graph of 48 calls - graph of 16) / 32, per call. The
+    graph's own launch and the first call's ramp-up, paid once per stream, cancel out."""
+    return (48 * streamed_us(fn_of_w, w, calls=48) - 16 * streamed_us(fn_of_w, w, calls=16)) / 32
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def row(name, fn_of_w, bitwise="-"):
         streamed = streamed_us(fn_of_w, w)
-        rows.append((name, streamed, cold_us(lambda: fn_of_w(w)), graph_us(lambda: fn_of_w(w)), streamed / floor_us,
-                     bitwise))
+        rows.append((name, streamed, marginal_us(fn_of_w, w), cold_us(lambda: fn_of_w(w)), graph_us(lambda: fn_of_w(w)),
+                     streamed / floor_us, bitwise))
 
     tiny = torch.ones(1, device="cuda")
     row("probe: one tiny kernel (fixed cost)", lambda wi: tiny.add_(1))
@@ -113,14 +121,20 @@ def main(argv: list[str] | None = None) -> None:
         tag = " (chosen)" if (bn, nw) == chosen else ""
         row(f"gemv_fused BLOCK_N={bn} warps={nw}{tag}", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
     gemv.BLOCK_N, gemv.NUM_WARPS = chosen
+    gemv.PDL = False  # the same kernel launched the ordinary way: what programmatic dependent launch saves
+    row("gemv_fused without PDL", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
+    row("F.linear joined, then gemv_fused (no PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
+    gemv.PDL = True
+    row("F.linear joined, then gemv_fused (PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
     # the slope to 4x the rows separates per-launch cost from bandwidth
     w4 = torch.randn(4 * sum(SIZES), K, device="cuda", dtype=torch.float16)
+    nan = float("nan")
     rows.append(("gemv_fused at 4x N (x4 floor)", streamed_us(lambda wi: gemv.gemv_fused(
-        x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), float("nan"), float("nan"), float("nan"), "-"))
+        x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), nan, nan, nan, nan, "-"))
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
-    print(f"{'kernel':40} {'streamed':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")
-    for name, streamed, cold, warm, ratio, ok in rows:
-        print(f"{name:40} {streamed:8.2f} {cold:8.2f} {warm:8.2f} {ratio:8.2f} {ok}")
+    print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")
+    for name, streamed, marginal, cold, warm, ratio, ok in rows:
+        print(f"{name:40} {streamed:8.2f} {marginal:8.2f} {cold:8.2f} {warm:8.2f} {ratio:8.2f} {ok}")
 
 
 if __name__ == "__main__":

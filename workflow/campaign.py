@@ -86,6 +86,41 @@ def check_inputs(config: dict) -> None:
             fail("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto")
 
 
+class CampaignFileError(ValueError):
+    pass
+
+
+def read_campaign_file(path: str) -> dict:
+    """A campaign file as YAML, or an error naming the file, the line and the fix.
+
+    Snakemake reads `--configfile` itself, before the Snakefile, and answers a bad byte with a traceback;
+    `evident run` calls this first so the user reads one line instead.
+    """
+    import yaml
+
+    try:
+        data = open(path, "rb").read()
+    except OSError as e:
+        raise CampaignFileError(f"campaign file {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise CampaignFileError(f"campaign file {path} is not UTF-8 text: byte 0x{data[e.start]:02x} at line {line}, "
+                                f"column {column}; save it as UTF-8") from None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise CampaignFileError(f"campaign file {path} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
+    if not isinstance(config, dict):
+        raise CampaignFileError(f"campaign file {path} must hold a mapping of keys (campaign:, cases:, ...), "
+                                f"not {type(config).__name__}")
+    return config
+
+
 def _redact_path(value: str) -> str:
     """A path becomes its last part plus a hash of the whole: distinct, yet no home or user name."""
     return f"<path>/{os.path.basename(os.path.normpath(value))}#{sha256_bytes(value.encode())[:8]}"

@@ -6,6 +6,7 @@
   evident verify [ID ...|--all]  re-hash every file against MANIFEST.json
   evident sync [ID ...|--all]    replay evidence into MLflow (idempotent)
   evident html                   rewrite the static HTML archive (evidence/index.html)
+  evident run [SNAKEMAKE ARGS]   check the --configfile campaign files, then run snakemake with these arguments
 
 An ID is an evidence id, `campaign/id`, a path, or a prefix of an id that matches one directory.
 Exit status: 0 fine, 1 a mismatch or a failed sync, 2 an error (an id that matches nothing).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -183,6 +185,35 @@ def cmd_html(args) -> int:
     return 0
 
 
+def configfiles(argv: list[str]) -> list[str]:
+    """The paths after `--configfile(s)` (several may follow one flag) or in `--configfile=PATH`."""
+    paths, taking = [], False
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        if flag in ("--configfile", "--configfiles"):
+            taking = not eq
+            paths += [value] if eq else []
+        elif taking and not a.startswith("-"):
+            paths.append(a)
+        else:
+            taking = False
+    return paths
+
+
+def cmd_run(argv: list[str]) -> int:
+    """Snakemake answers a campaign file it cannot decode with a traceback: check each first, then hand over."""
+    from workflow.campaign import CampaignFileError, read_campaign_file
+
+    try:
+        for path in configfiles(argv):
+            read_campaign_file(path)
+    except CampaignFileError as e:
+        print(f"evident: {e}", file=sys.stderr)
+        return ERROR
+    snakemake = Path(sys.executable).with_name("snakemake")  # the one installed beside this interpreter
+    os.execv(snakemake, [str(snakemake), *argv])
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="evident", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=archive.ROOT, help="the evidence archive (default: evidence/)")
@@ -209,10 +240,15 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("html", help="rewrite the static HTML archive")
     p.add_argument("--tracking-uri", default=None, help="an http(s) MLflow server to link runs to")
     p.set_defaults(func=cmd_html)
+    sub.add_parser("run", help="check the --configfile campaign files, then run snakemake with the same arguments",
+                   add_help=False)  # main() hands its arguments to snakemake before argparse sees them
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # its arguments are snakemake's, not ours to parse
+        return cmd_run(argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.func(args)

@@ -14,7 +14,8 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 from workflow import checkpoints
-from workflow.campaign import validate_campaign
+from workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
+from workflow.cli import configfiles
 from workflow.evidence import MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,6 +130,31 @@ def test_prompt_longer_than_the_context(ckpt):
     checkpoints.check_prompts(ckpt, ok)
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"campaign: t\ncases: [{name: a, prompt: \"caf\xe9\"}]\n", "is not UTF-8 text: byte 0xe9 at line 2, column 31; save it as UTF-8"),
+    (b"campaign: t\ncases: [1\n", "is not valid YAML: expected ',' or ']', but got '<stream end>' at line 3, column 1"),
+    (b"- campaign\n", "must hold a mapping of keys (campaign:, cases:, ...), not list"),
+    (b"", "must hold a mapping of keys (campaign:, cases:, ...), not NoneType"),
+])
+def test_campaign_file_that_cannot_be_read(tmp_path, content, message):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(content)
+    with pytest.raises(CampaignFileError) as e:
+        read_campaign_file(str(f))
+    assert str(e.value) == f"campaign file {f} {message}"
+    with pytest.raises(CampaignFileError, match="campaign file .*absent.yaml: No such file or directory"):
+        read_campaign_file(str(tmp_path / "absent.yaml"))
+    f.write_text(yaml.safe_dump(TINY))
+    assert read_campaign_file(str(f)) == TINY
+
+
+def test_run_finds_every_campaign_file_on_snakemake_s_command_line():
+    argv = ["-c2", "--configfile", "a.yaml", "b.yaml", "-n", "--configfile=c.yaml", "--configfiles", "d.yaml",
+            "--config", "repeat=2", "target"]
+    assert configfiles(argv) == ["a.yaml", "b.yaml", "c.yaml", "d.yaml"]
+    assert configfiles(["-c2", "all"]) == []
+
+
 # --- through Snakemake: a campaign file that is not UTF-8, a bad name; nothing written --------------
 
 @pytest.mark.slow
@@ -138,8 +164,14 @@ def test_campaign_files_that_snakemake_refuses(tmp_path):
     wd = tmp_path / "wd"
     r = subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(wd), "-n", "--configfile", str(bad)],
                        capture_output=True, text=True, timeout=300)
-    # Snakemake reads --configfile itself, before the Snakefile: its own error, the undecodable byte named
+    # Snakemake reads --configfile itself, before the Snakefile: its own traceback, the undecodable byte named
     assert r.returncode != 0 and "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9" in r.stdout + r.stderr
+    assert not (wd / "evidence").exists()
+    # `evident run` (what `make run` calls) reads the file first: one line, the place, the fix; no snakemake
+    r = subprocess.run([str(SNAKEMAKE.with_name("evident")), "run", "-s", str(REPO / "Snakefile"), "-d", str(wd),
+                        "-n", "--configfile", str(bad)], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"evident: campaign file {bad} is not UTF-8 text: byte 0xe9 at line 2, column 31; save it as UTF-8\n"
     assert not (wd / "evidence").exists()
     bad.write_text(yaml.safe_dump(tiny(campaign="my campaign")))
     r = subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(wd), "-n", "--configfile", str(bad)],

@@ -17,8 +17,8 @@ SEALED = os.path.exists(f"{E}/MANIFEST.json")
 def hold_evidence_lock(path):
     """Two invocations writing one evidence directory: the second is refused here, naming the first. Snakemake's
     own lock covers a running DAG's files only (a second run is first told to `--rerun-incomplete` the running
-    job's outputs) and a SIGKILLed run leaves it behind (`--unlock`); this flock is held by the running
-    snakemake process and released by the kernel when it ends, however it ends."""
+    job's outputs); this flock is held by the running snakemake process and released by the kernel when it
+    ends, however it ends."""
     import fcntl
 
     from snakemake.exceptions import WorkflowError
@@ -39,6 +39,34 @@ def hold_evidence_lock(path):
     return f
 
 
+def clear_stale_snakemake_locks(path=".evident/locks/workdir.lock"):
+    """Snakemake's own lock files outlive a SIGKILLed run, and the next run would be told to `--unlock`.
+
+    Every run of this workflow holds a shared flock on one file per working directory for its whole life;
+    whoever gets it exclusively is alone, so any Snakemake lock left in `.snakemake/locks` is stale and goes.
+    The flock is then downgraded to shared (the kernel drops it when the process ends, however it ends)."""
+    import fcntl
+    import glob
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass  # another run is live: its locks are real
+    else:
+        stale = glob.glob(".snakemake/locks/*.lock")
+        for lock in stale:
+            os.remove(lock)
+        if stale:
+            print(f"evident: removed {len(stale)} stale Snakemake lock file(s) left by a run that was killed",
+                  file=sys.stderr)
+    fcntl.flock(f, fcntl.LOCK_SH)
+    return f
+
+
+if not workflow.dryrun and workflow.is_main_process:
+    WORKDIR_LOCK = clear_stale_snakemake_locks()
 if not SEALED and not workflow.dryrun and workflow.is_main_process:
     EVIDENCE_LOCK = hold_evidence_lock(f".evident/locks/{config['campaign']}/{EID}.lock")
 GATE = f".evident/gates/{config['campaign']}/{EID}.json"
