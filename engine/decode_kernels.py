@@ -18,13 +18,16 @@ from torch import nn
 from .model import MLP, Attention, Linear, Transformer
 
 
-def enable(model: Transformer) -> Transformer:
-    """Attach the kernels to ``model`` in place. Imports Triton here, not at engine import: the
-    interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels' decorators."""
+def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, max_rows: int | None = None) -> Transformer:
+    """Attach the kernels to ``model`` in place, except to modules for which ``skip`` is true; projections of
+    more than ``max_rows`` rows keep torch's path. Imports Triton here, not at engine import: the interpreter
+    switch (TRITON_INTERPRET) is read when Triton compiles the kernels' decorators."""
     from kernels.argmax import argmax_batch
     from kernels.gemv import gemm_per_token, gemv_fused
 
     def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        if max_rows is not None and x.shape[0] > max_rows:
+            return None
         return gemm_per_token(x, w, fallback=lambda: None)  # None: the Linear takes its torch path
 
     def pair(a: Linear, b: Linear):
@@ -45,11 +48,14 @@ def enable(model: Transformer) -> Transformer:
         return kernel
 
     for module in model.modules():
+        if skip(module):
+            continue
         if isinstance(module, Linear):
             module.rows_kernel = rows
         if isinstance(module, Attention):
             module.pair_kernel = pair(module.q_in, module.kv_a_proj_with_mqa)
         elif isinstance(module, MLP):
             module.pair_kernel = pair(module.gate_proj, module.up_proj)
-    model.argmax_kernel = argmax_batch
+    if argmax:
+        model.argmax_kernel = argmax_batch
     return model

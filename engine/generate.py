@@ -71,7 +71,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         return out
 
     device = model.embed_tokens.weight.device
-    cache = LatentCache.for_model(model, max_rows=B, max_len=max(len(p) for p in prompts) + max_new_tokens)
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    graph = model.graph_decode  # decodes every row each step (a finished row's results are not read)
+    cache = graph.cache(B, max_len) if graph is not None else LatentCache.for_model(model, B, max_len)
     done = [False] * B
 
     def emit(rows: list[int], logits: torch.Tensor) -> None:
@@ -94,9 +96,13 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             active = [r for r in range(B) if not done[r]]
             if not active:
                 break
-            tokens = torch.tensor([[out.tokens[r][-1]] for r in active], dtype=torch.long, device=device)
-            logits = model(tokens, cache, torch.tensor(active, device=device))
-            emit(active, logits[:, -1])
+            if graph is not None:
+                logits = graph.step(cache, torch.tensor([t[-1] for t in out.tokens], device=device))
+                emit(active, logits[active])
+            else:
+                tokens = torch.tensor([[out.tokens[r][-1]] for r in active], dtype=torch.long, device=device)
+                logits = model(tokens, cache, torch.tensor(active, device=device))
+                emit(active, logits[:, -1])
             if progress is not None:
                 progress(step, max_new_tokens)
     return out

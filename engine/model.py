@@ -284,6 +284,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.argmax_kernel = None  # greedy pick over [B, V] logits (engine/decode_kernels.py); torch.argmax if None
+        self.graph_decode = None  # the CUDA-graph decode step (engine/graph_decode.py); the forward below if None
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # plain attribute, not a buffer: stays fp32 through model.to(dtype)

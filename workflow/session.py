@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine import decode_kernels
+from engine import decode_kernels, graph_decode
 from engine.checkpoint import load_model
 from engine.parallel import BACKENDS as EP_BACKENDS
 from engine.parallel import init_from_env
@@ -24,7 +24,8 @@ from workflow import checkpoints, environment
 from workflow.evidence import Stage, read_config, read_json
 
 BACKENDS = ("single", *EP_BACKENDS)
-KERNELS = ("torch", "triton")  # the engine's decode path: torch ops, or the Triton kernels of kernels/
+# the engine's decode path: torch ops, the Triton kernels of kernels/, or the CUDA-graph step (engine/graph_decode.py)
+KERNELS = ("torch", "triton", "graph")
 
 
 def run_name(backend: str, kernels: str) -> str:
@@ -68,12 +69,12 @@ class Session:
         return p
 
 
-def engine_args(doc: str) -> argparse.ArgumentParser:
+def engine_args(doc: str, backends: tuple[str, ...] = BACKENDS) -> argparse.ArgumentParser:
     """The command line every engine stage takes."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--checkpoint", required=True, type=Path)
     ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("--backend", required=True, choices=BACKENDS)
+    ap.add_argument("--backend", required=True, choices=backends)
     ap.add_argument("--batch-sizes", required=True, type=lambda text: [int(b) for b in text.split(",")])
     ap.add_argument("--kernels", default="torch", choices=KERNELS)
     return ap
@@ -92,7 +93,11 @@ def engine_stage(kind: str, args: argparse.Namespace):
 @contextlib.contextmanager
 def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "torch"):
     """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
-    Triton decode path when kernels is `triton`)."""
+    Triton decode path when kernels is `triton`, the CUDA-graph step when `graph`); backend `hf` loads
+    transformers' model instead, as the oracle does (the benchmark's reference in the same run)."""
+    if backend == "hf":
+        yield _hf_session(ckpt_dir, evidence)
+        return
     if backend not in BACKENDS or kernels not in KERNELS:
         raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS} and {KERNELS}")
     config = read_config(evidence / "config.yaml")
@@ -106,13 +111,28 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
         device = str(ep.device)
     try:
         model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[config["dtype"]], ep=ep)
+        if kernels != "torch" and device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         if kernels == "triton":
-            if device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly, but the same code)
-                os.environ.setdefault("TRITON_INTERPRET", "1")
             decode_kernels.enable(model)
+        elif kernels == "graph":
+            graph_decode.enable(model)
         # The tokenizer library itself (not transformers): the engine path imports no transformers code.
         tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
         yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels)
     finally:
         if ep is not None:
             ep.close()
+
+
+def _hf_session(ckpt_dir: Path, evidence: Path) -> Session:
+    from workflow.stages import oracle
+
+    config = read_config(evidence / "config.yaml")
+    device = environment.resolve_device(config["device"])
+    checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
+    if device.startswith("cuda"):
+        torch.set_num_threads(1)
+    _, model = oracle.load(ckpt_dir, config["dtype"], device)
+    tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))  # the engine's prompt ids, exactly
+    return Session(config, "hf", device, model, tok, eos_ids(ckpt_dir), None, "torch")

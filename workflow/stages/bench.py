@@ -4,6 +4,8 @@ For each B: warm-up runs, then `bench.repeats` measured runs of one fixed prompt
 and exactly `bench.new_tokens` new tokens (EOS ignored). Marks after the prefill and after every
 batched decode step give TTFT, the first decode step and the steady TPOT samples. On a GPU the
 marks are CUDA events. Rows must agree before any figure is written; bad samples fail closed.
+Backend `hf` times transformers' own eager generate on the same checkpoint, prompt and contract: the
+reference the engine's figures stand beside, measured in the same run.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import time
 import torch
 
 from engine.checkpoint import CheckpointError
-from engine.generate import generate
+from engine.generate import Generation, generate
 from workflow.benchstats import BenchError, summarize_cell
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, sha256_bytes
-from workflow.session import Session, engine_args, engine_stage
+from workflow.session import BACKENDS, Session, engine_args, engine_stage
 
 
 class Marks:
@@ -44,13 +46,37 @@ class Marks:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
+class _TokenMarks:
+    """transformers' streamer hook: generate() hands it the prompt once, then each step's new tokens."""
+
+    def __init__(self, mark):
+        self.mark, self.prompt_seen = mark, False
+
+    def put(self, _):
+        if self.prompt_seen:
+            self.mark()
+        self.prompt_seen = True
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=None, progress=None) -> Generation:
+    """transformers' own greedy generate (eager), exactly new_tokens per row, marked after every token."""
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, streamer=_TokenMarks(progress), pad_token_id=0)
+    return Generation(tokens=out[:, ids.shape[1]:].tolist(), margins=[])
+
+
 def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
     marks = Marks(s.device)
+    decode = hf_generate if s.backend == "hf" else generate
     gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
     try:
         with torch.inference_mode():
             marks.mark()
-            gen = generate(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+            gen = decode(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
     finally:
         gc.enable()
     if any(row != gen.tokens[0] for row in gen.tokens) or any(len(row) != new_tokens for row in gen.tokens):
@@ -88,7 +114,7 @@ def bench_batch(s: Session, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = engine_args(__doc__).parse_args(argv)
+    args = engine_args(__doc__, (*BACKENDS, "hf")).parse_args(argv)
     try:
         with engine_stage("bench", args) as (st, s):
             env = read_json(args.evidence / "env.json")

@@ -64,7 +64,9 @@ def decode_steps(model, prompt_ids: list[int], batch: int, steps: int, cuda: boo
     from engine.model import LatentCache
 
     device = model.embed_tokens.weight.device
-    cache = LatentCache.for_model(model, max_rows=batch, max_len=len(prompt_ids) + steps + 1)
+    graph = model.graph_decode  # the CUDA-graph step (bench.kernels: graph), captured in the warm-up call
+    max_len = len(prompt_ids) + steps + 1
+    cache = graph.cache(batch, max_len) if graph is not None else LatentCache.for_model(model, batch, max_len)
     nxt = []
     with marker("prefill", cuda):
         for r in range(batch):
@@ -79,8 +81,10 @@ def decode_steps(model, prompt_ids: list[int], batch: int, steps: int, cuda: boo
         for i in range(steps):
             t0 = time.perf_counter()
             with marker(f"decode_step_{i}", cuda):
-                logits = model(tokens, cache, rows)
-                tokens = logits[:, -1].argmax(-1).view(batch, 1)
+                if graph is not None:
+                    tokens = graph.step(cache, tokens.view(batch)).argmax(-1).view(batch, 1)
+                else:
+                    tokens = model(tokens, cache, rows)[:, -1].argmax(-1).view(batch, 1)
             if cuda:
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e6)

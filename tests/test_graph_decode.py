@@ -1,0 +1,109 @@
+"""The engine's graph decode path (engine/graph_decode.py) against the real transformers DeepseekV2.
+
+The step absorbs MLA's up-projections and attends over the whole static cache with a mask, and routes
+experts through kernels/moe.py: different arithmetic from HF's, so logits agree to fp32 rounding and greedy
+tokens exactly on a micro model in fp32. On the CPU the step runs eagerly (the MoE kernel through Triton's
+interpreter); on a GPU it is captured in a CUDA graph and replayed, and the same checks hold.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from engine import graph_decode  # noqa: E402
+from engine.checkpoint import load_model  # noqa: E402
+from engine.generate import generate  # noqa: E402
+from test_engine_kernels import MICRO, N_NEW, PROMPT  # noqa: E402
+from test_engine_parity import hf_generate, hf_model  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+LONGER = [5, 9, 60, 33, 12, 7, 81, 40]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    hf = hf_model(MICRO)
+    ckpt = tmp_path_factory.mktemp("micro")
+    hf.save_pretrained(ckpt)
+    device = "cuda" if CUDA else "cpu"
+    return hf, load_model(ckpt, device=device), graph_decode.enable(load_model(ckpt, device=device))
+
+
+def test_graph_path_greedy_equals_hf(models):
+    hf, _, fast = models
+    for prompt in (PROMPT, LONGER):
+        assert generate(fast, [prompt], N_NEW).tokens[0] == hf_generate(hf, prompt, N_NEW)
+
+
+def test_graph_step_logits_close_to_hf(models):
+    hf, _, fast = models
+    dec = fast.graph_decode
+    cache = dec.cache(1, len(LONGER) + 3)
+    with torch.inference_mode():
+        fast(torch.tensor([LONGER[:-2]], device=cache.kv.device), cache)  # prefill on the ordinary forward
+        steps = [dec.step(cache, torch.tensor([t], device=cache.kv.device))[0].double().cpu().clone()
+                 for t in LONGER[-2:]]
+        ref = hf(torch.tensor([LONGER])).logits[0, -2:].double()
+    assert cache.lengths[0].item() == len(LONGER)  # the step advanced the row itself
+    for got, want in zip(steps, ref):
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(models):
+    _, plain, fast = models
+    many = generate(fast, [PROMPT] * 3, N_NEW)
+    assert all(row == many.tokens[0] for row in many.tokens)
+    # rows of different prompts (and lengths) decode together: each as the torch path decodes it alone
+    mixed = generate(fast, [PROMPT, LONGER], N_NEW)
+    assert mixed.tokens == [generate(plain, [p], N_NEW).tokens[0] for p in (PROMPT, LONGER)]
+    # a row that stops early (EOS) is still stepped; the other row's tokens do not change
+    eos, other = mixed.tokens[0][0], mixed.tokens[1]
+    cut = other.index(eos) + 1 if eos in other else len(other)
+    assert generate(fast, [PROMPT, LONGER], N_NEW, eos_token_id=eos).tokens == [[eos], other[:cut]]
+
+
+def test_experts_become_views_of_the_stacks(models):
+    _, _, fast = models
+    layer = next(i for i, l in enumerate(fast.layers) if hasattr(l.mlp, "experts"))
+    w13, w2 = fast.graph_decode.stacks[layer]
+    e1 = fast.layers[layer].mlp.experts["1"]
+    assert e1.up_proj.weight.data_ptr() == w13[1, MICRO["moe_intermediate_size"]:].data_ptr()
+    assert e1.down_proj.weight.data_ptr() == w2[1].data_ptr()
+
+
+def test_expert_parallel_models_are_refused(models):
+    class FakeEP:
+        pass
+
+    _, plain, _ = models
+    plain.ep, saved = FakeEP(), plain.ep
+    try:
+        with pytest.raises(ValueError, match="runs on the single backend"):
+            graph_decode.enable(plain)
+    finally:
+        plain.ep = saved
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_graph_is_captured_once_per_shape_and_replayed(models):
+    _, _, fast = models
+    dec = fast.graph_decode
+    generate(fast, [PROMPT] * 2, N_NEW)
+    graphs = [s["graph"] for _, s in dec.caches.values() if "graph" in s]
+    again = generate(fast, [PROMPT] * 2, N_NEW)
+    assert [s["graph"] for _, s in dec.caches.values() if "graph" in s] == graphs and graphs
+    assert again.tokens == generate(fast, [PROMPT] * 2, N_NEW).tokens
+
+
+def test_profile_captures_the_graph_step(models, monkeypatch):
+    """bench.kernels: graph profiles the step the benchmark times, not the model's ordinary forward."""
+    from workflow.stages import profile
+
+    _, _, fast = models
+    calls = []
+    real = fast.graph_decode.step
+    monkeypatch.setattr(fast.graph_decode, "step", lambda c, t: (calls.append(tuple(t.shape)), real(c, t))[1])
+    assert len(profile.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
+    assert calls == [(2,)] * 3

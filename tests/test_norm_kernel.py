@@ -1,0 +1,49 @@
+"""kernels/norm.py against the engine's RMSNorm (itself HF's numerics), on fresh random inputs; on the CPU
+through Triton's interpreter at small ragged widths, on a GPU at the DeepSeek-V2-Lite widths."""
+import pytest
+import torch
+
+from engine.model import RMSNorm
+from kernels import norm
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+WIDTHS = [2048, 512, 1536] if CUDA else [96, 37, 512]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def module(D, dtype):
+    m = RMSNorm(D, eps=1e-6).to(DEV)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(D, device=DEV) * 0.5 + 1)
+    return m.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", WIDTHS)
+def test_norms_match_the_engine_rmsnorm(D, dtype):
+    m = module(D, dtype)
+    x, delta = (torch.randn(3, D, device=DEV) * 4).to(dtype), torch.randn(3, D, device=DEV).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(norm.rms_norm(x, m.weight, m.eps), m(x), rtol=TOL[dtype], atol=TOL[dtype])
+        h, y = norm.add_rms_norm(x, delta, m.weight, m.eps)
+        if CUDA or dtype != torch.bfloat16:
+            assert torch.equal(h, x + delta)  # the residual sum, rounded once, as torch's add
+        else:  # the interpreter's numpy casts to bfloat16 by truncation, not to nearest: one unit in the last place
+            torch.testing.assert_close(h, x + delta, rtol=2**-7, atol=0)
+        torch.testing.assert_close(y, m(x + delta), rtol=TOL[dtype], atol=TOL[dtype])
+        assert norm.norm_reason(x, m.weight) is None
+
+
+def test_inadmissible_inputs_take_the_torch_path_and_shapes_are_errors():
+    m = module(64, torch.float32)
+    x = torch.randn(4, 128, device=DEV)[:, ::2]  # not contiguous
+    assert "contiguous" in norm.norm_reason(x, m.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(norm.rms_norm(x, m.weight, m.eps), m(x))
+        h, y = norm.add_rms_norm(x, x, m.weight, m.eps)
+        torch.testing.assert_close(y, m(x + x))
+    with pytest.raises(ValueError, match="expected x"):
+        norm.rms_norm(torch.randn(2, 65, device=DEV), m.weight, m.eps)
+    with pytest.raises(ValueError, match="differ in shape"):
+        norm.add_rms_norm(torch.randn(2, 64, device=DEV), torch.randn(1, 64, device=DEV), m.weight, m.eps)

@@ -1,0 +1,110 @@
+"""Decode-step probe on a lent GPU (issue 8), without a checkpoint on disk: the DeepSeek-V2-Lite shape with
+random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
+
+    python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile]
+
+Prints: tokens agreement, TPOT p50 per path and batch (CUDA events around each step), and with --profile
+the eager step's top kernels (torch.profiler). The pipeline's bench stage makes the figures of record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import graph_decode  # noqa: E402
+from engine.config import ModelArgs  # noqa: E402
+from engine.generate import generate  # noqa: E402
+from engine.model import Transformer  # noqa: E402
+
+SHAPE = Path(__file__).resolve().parents[1] / "config/campaigns/dsv2-lite-graph.yaml"
+
+
+def build(layers: int) -> Transformer:
+    import yaml
+
+    cfg = dict(yaml.safe_load(SHAPE.read_text())["checkpoint"]["config"], num_hidden_layers=layers)
+    args = ModelArgs.from_hf(cfg)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Transformer(args).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.08 if p.dim() > 1 else 0.02)
+            if "gate.weight" in name:
+                p.data = p.data.float()
+    return model.eval()
+
+
+def tpot(model, batch: int, tokens: int, prompt: list[int]) -> tuple[float, list[int]]:
+    marks = []
+
+    def mark(*_):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append(e)
+
+    with torch.inference_mode():
+        generate(model, [prompt] * batch, tokens, progress=mark)  # warm-up (and graph capture)
+        marks.clear()
+        gen = generate(model, [prompt] * batch, tokens, progress=mark)
+    torch.cuda.synchronize()
+    steps = [a.elapsed_time(b) for a, b in zip(marks[1:], marks[2:])]
+    return statistics.median(steps), gen.tokens[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--projections", default="torch,triton", help="the dense projections of the graph step (torch first)")
+    a = ap.parse_args()
+    model = build(a.layers)
+    prompt = list(range(1000, 1012))
+    rows = []
+    torch_path = {}
+    for projections in a.projections.split(","):
+        dec = graph_decode.GraphDecode(model, projections)
+        for batch in (1, 8):
+            if batch not in torch_path:
+                model.graph_decode = None
+                torch_path[batch] = tpot(model, batch, a.tokens, prompt)
+            t_torch, tok_torch = torch_path[batch]
+            model.graph_decode = dec
+            t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
+            same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
+            rows.append((projections, batch, t_torch, t_graph, "all" if same is None else f"first {same}"))
+
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        cache = dec.cache(1, 64)
+        with torch.inference_mode():
+            model(torch.tensor([prompt], device="cuda"), cache)
+            tok = torch.tensor([5], device="cuda")
+            dec._step(cache, tok)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec._step(cache, tok)
+                torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"eager step: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(f"\n{'projections':>11} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
+    for proj, batch, t0, t1, same in rows:
+        print(f"{proj:>11} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
+    print(json.dumps({"layers": a.layers, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
