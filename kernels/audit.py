@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from . import argmax, gemv
+from . import argmax, gemv, moe, norm
 
 
 def resources(name: str, compiled, **shape) -> dict:
@@ -24,8 +24,11 @@ def resources(name: str, compiled, **shape) -> dict:
             "shared_bytes": int(meta.shared), "num_warps": int(meta.num_warps)}
 
 
-def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> list[dict]:
-    """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation."""
+def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+          experts: tuple[int, int, int, int] | None = None) -> list[dict]:
+    """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation.
+    ``experts`` (hidden, moe_intermediate, n_routed_experts, experts_per_token) adds the graph decode step's
+    routed-experts kernels at batch 1 and 8; the norm kernel is compiled at every K."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, dt=dtype):
@@ -49,6 +52,21 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
     outs = [torch.empty(32, dtype=d, device=device) for d in (torch.float32, torch.float32, torch.float16)]
     rows.append(resources("gemv_fused", gemv._launch(x, w, outs, [32, 64, 96], 1, gemv.BLOCK_K),
                           K=4096, dtype="float16", segments=3))
+    for k in sorted(set(ks)):
+        x = rand(8, k)
+        rows.append(resources("add_rms_norm", norm._launch(x, x, rand(k), 1e-6, torch.empty_like(x),
+                                                           torch.empty_like(x)), K=k, dtype=name))
+    if experts is not None:
+        d, inter, e, top = experts
+        w13, w2 = rand(e, 2 * inter, d), rand(e, d, inter)
+        for b in (1, 8):
+            ids = torch.stack([torch.randperm(e, generator=g, device=device)[:top] for _ in range(b)])
+            route = moe._route(ids)
+            h = torch.empty(b, top, inter, dtype=dtype, device=device)
+            rows.append(resources("experts_gate_up", moe._launch(rand(b, d), w13, h, route, top, True),
+                                  K=d, B=b, dtype=name))
+            y = torch.empty(b, top, d, dtype=torch.float32, device=device)
+            rows.append(resources("experts_down", moe._launch(h, w2, y, route, top, False), K=inter, B=b, dtype=name))
     for dt in (torch.float32, dtype):
         logits = rand(8, vocab, dt=dt)
         out = torch.empty(8, dtype=torch.int64, device=device)

@@ -36,7 +36,8 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
+def capture(fn, calls: int = 1):
+    """A CUDA graph of `calls` calls of fn, warmed up on a side stream first; (graph, the last call's output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -45,20 +46,20 @@ def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
-            fn()
-    return g
+            out = fn()
+    return g, out
 
 
 def graph_us(fn, calls: int = 20) -> float:
     """Median µs per call over replays of a graph of ``calls`` back-to-back calls (weights stay in L2)."""
-    return triton.testing.do_bench(capture(fn, calls).replay, return_mode="median") * 1e3 / calls
+    return triton.testing.do_bench(capture(fn, calls)[0].replay, return_mode="median") * 1e3 / calls
 
 
 def cold_us(fn, trials: int = 300, scrub: str = "read") -> float:
     """Median µs of one call replayed from a graph right after an L2 scrub of 2x the L2: `read` leaves
     the L2 full of clean lines; `write` (do_bench's way) full of dirty ones, whose write-back to HBM
     then competes with the kernel's reads."""
-    g = capture(fn, 1)
+    g, _ = capture(fn, 1)
     flush = torch.ones(2 * torch.cuda.get_device_properties(0).L2_cache_size // 4, device="cuda")
     sink = torch.empty((), device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,6 +87,22 @@ def marginal_us(fn_of_w, w: torch.Tensor) -> float:
     """What one more call adds to a stream of them: (graph of 48 calls - graph of 16) / 32, per call. The
     graph's own launch and the first call's ramp-up, paid once per stream, cancel out."""
     return (48 * streamed_us(fn_of_w, w, calls=48) - 16 * streamed_us(fn_of_w, w, calls=16)) / 32
+
+
+def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int = 64) -> float:
+    """Median device duration of the kernels called `name` (CUPTI, via torch.profiler), launched eagerly one by
+    one, each call on the next copy of the weights: the kernel's own time, as Nsight reports it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ws = [w.clone() for _ in range(copies)]
+    fn_of_w(ws[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn_of_w(ws[i % copies])
+        torch.cuda.synchronize()
+    times = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
+    return float(torch.tensor(times).median()) if times else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     nan = float("nan")
     rows.append(("gemv_fused at 4x N (x4 floor)", streamed_us(lambda wi: gemv.gemv_fused(
         x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), nan, nan, nan, nan, "-"))
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
+    fused = lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)  # noqa: E731
+    linear = kernel_us(lambda wi: F.linear(x, wi), w, "")  # the only kernel F.linear launches here
+    gemv.PDL = False  # a kernel's duration alone: with PDL a call starts early and waits inside
+    alone = kernel_us(fused, w, "_rows_kernel")
+    gemv.PDL = True
+    print(f"\nkernel time (CUPTI, eager, weights cold in HBM): gemv_fused {alone:.2f} us, F.linear joined {linear:.2f} us")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
     print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")
     for name, streamed, marginal, cold, warm, ratio, ok in rows:
         print(f"{name:40} {streamed:8.2f} {marginal:8.2f} {cold:8.2f} {warm:8.2f} {ratio:8.2f} {ok}")

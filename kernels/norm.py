@@ -59,8 +59,9 @@ def norm_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
 
 def _launch(x, delta, weight, eps, h_out, y_out):
+    """One launch; returns Triton's compiled kernel (None under the interpreter)."""
     D = x.shape[-1]
-    _norm_kernel[(x.numel() // D,)](x, delta, weight, h_out, y_out, eps, D=D, BLOCK=triton.next_power_of_2(D),
+    return _norm_kernel[(x.numel() // D,)](x, delta, weight, h_out, y_out, eps, D=D, BLOCK=triton.next_power_of_2(D),
                                     ADD=delta is not None, num_warps=4 if D >= 1024 else 1)
 
 

@@ -11,7 +11,7 @@ from workflow.stages import kernel_audit
 
 CONFIG = {"hidden_size": 2048, "kv_lora_rank": 512, "num_attention_heads": 16, "v_head_dim": 128,
           "moe_intermediate_size": 1408, "intermediate_size": 10944, "q_lora_rank": None, "n_shared_experts": 2,
-          "vocab_size": 102400}
+          "vocab_size": 102400, "n_routed_experts": 64, "num_experts_per_tok": 6}
 
 
 @pytest.fixture
@@ -45,7 +45,8 @@ def test_gpu_audit_has_every_kernel_without_spills(dirs):
     ckpt, ev = dirs
     kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
     audit = read_json(ev / "kernels/audit.json")
-    assert {r["kernel"] for r in audit["kernels"]} == {"gemv_exact", "gemv_fused", "gemm_per_token", "argmax_batch"}
+    assert {r["kernel"] for r in audit["kernels"]} == {"gemv_exact", "gemv_fused", "gemm_per_token", "argmax_batch",
+                                                      "add_rms_norm", "experts_gate_up", "experts_down"}
     assert all(r["registers"] > 0 for r in audit["kernels"])
     assert audit["verdict"] == ("spills" if any(r["spills"] for r in audit["kernels"]) else "ok")
     assert read_json(ev / "stages/kernel-audit.json")["status"] == "ok"

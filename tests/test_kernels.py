@@ -8,6 +8,7 @@ import torch
 
 from kernels import argmax as am
 from kernels import gemv
+from kernels.bench import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -155,14 +156,7 @@ def test_cuda_graph_replay_is_bitwise(gen):
     def step():
         return (*gemv.gemv_fused(x, w, sizes, dts), gemv.gemm_per_token(xs, wb), am.argmax_batch(logits))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)  # warmed up on a side stream, then captured
     for _ in range(3):  # fresh inputs into the captured buffers, replay, compare with eager
         for t in (x, w, xs, wb, logits):
             t.copy_(fresh(*t.shape, dtype=t.dtype, gen=gen))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import moe
+from kernels.bench import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -154,14 +155,7 @@ def test_cuda_graph_replay_is_bitwise(B, gen):
     def step():
         return moe.moe_experts(x, w13, w2, ids, weights)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)  # warmed up on a side stream, then captured
     for same_rows in (True, False, False):  # fresh inputs, new ids, into the captured buffers
         for t, new in zip((x, w13, w2, ids, weights), problem(B, D, I, E, k, torch.bfloat16, gen, same_rows)):
             t.copy_(new)

@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         from kernels.audit import audit
 
         dtype = {"float16": torch.float16}.get(config["dtype"], torch.bfloat16)
-        rows = audit(ks, vocab, dtype=dtype)
+        c = json.loads((args.checkpoint / "config.json").read_text())
+        experts = (c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"], c["num_experts_per_tok"]) \
+            if c.get("n_routed_experts") else None
+        rows = audit(ks, vocab, dtype=dtype, experts=experts)
         spilling = [r for r in rows if r["spills"]]
         verdict = "spills" if spilling else "ok"
         st.write_json(AUDIT, {"verdict": verdict, "kernels": rows})
