@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import cluster
+
 from workflow.evidence import MANIFEST, config_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,10 +66,7 @@ def only_evidence_dir(workdir: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    wd = tmp_path_factory.mktemp("default")
-    t0 = time.perf_counter()
-    first = snakemake(wd)
-    first_s = time.perf_counter() - t0
+    wd, first, first_s = cluster.default_local_run(tmp_path_factory)  # one run a session, shared with test_cluster
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return wd, first, first_s
 

@@ -129,10 +129,10 @@ def _redact_path(value: str) -> str:
 def evidence_config(config: dict) -> dict:
     """The config as recorded in evidence and hashed into the id.
 
-    `tracking` is left out (where runs are logged is not part of what was measured, and a URL may
-    carry a host or credentials); file system paths are redacted.
+    `tracking` and `resources` are left out (where runs are logged and what jobs asked a scheduler for are
+    not part of what was measured, and a URL may carry a host or credentials); file system paths are redacted.
     """
-    out = copy.deepcopy({k: v for k, v in config.items() if k != "tracking"})
+    out = copy.deepcopy({k: v for k, v in config.items() if k not in ("tracking", "resources")})
     if out["checkpoint"].get("path"):
         out["checkpoint"]["path"] = _redact_path(out["checkpoint"]["path"])
     baseline = out.get("bench", {}).get("baseline")

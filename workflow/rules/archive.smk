@@ -30,12 +30,21 @@ INDEX = "evidence/index.html"
 
 
 # The whole archive (every campaign, every id) is rewritten, but only when this campaign's directory
-# is newly sealed: its inputs are files of that directory, so an unchanged tree has nothing to do.
+# is newly sealed: its inputs are files of that directory, so an unchanged tree has nothing to do. Under a
+# cluster executor it runs where Snakemake runs, not as a cluster job.
+
+
+localrules:
+    archive,
+
+
 rule archive:
     input:
         **ARCHIVE_INPUTS,
     output:
         INDEX,
+    resources:
+        **job_resources(),
     params:
         py=PY,
         tracking="--tracking-uri '{}'".format(config["tracking"]["uri"]) if config["tracking"]["uri"] else "",

@@ -9,9 +9,12 @@ rule bench:
     output:
         [f"{E}/bench/{{run}}-b{b}.json" for b in config["bench"]["batch_sizes"]],
     wildcard_constraints:
-        run="single|host-staged|collective",
-    # All cores: no other job runs beside a timing run (Snakemake's way to make a job exclusive).
-    threads: workflow.cores
+        run="single|host-staged|collective|hf",
+    # All cores: no other job runs beside a timing run (Snakemake's way to make a job exclusive; under a
+    # cluster executor, resources.cpus, and the Slurm profile asks for the node alone). On GPUs a device per rank.
+    threads: ALONE
+    resources:
+        **job_resources(gpu=engine_gpus),
     params:
         launch=launcher,
         ev=evidence_dir,
@@ -33,6 +36,8 @@ rule bench_report:
         csv=f"{E}/bench/summary.csv",
         plot=f"{E}/plots/bench.png",
         baseline=f"{E}/bench/baseline.json",
+    resources:
+        **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,

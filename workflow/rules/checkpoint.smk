@@ -5,8 +5,11 @@ rule context:
     output:
         config=f"{E}/config.yaml",
         env=f"{E}/env.json",
+    # env.json records the devices the campaign runs on: it holds as many as its largest job
+    resources:
+        **job_resources(gpu=CAMPAIGN_GPUS),
     params:
-        py=PY,
+        py=on_gpus(CAMPAIGN_GPUS),
         ev=evidence_dir,
         config=CONFIG_JSON,
     log:
@@ -22,8 +25,11 @@ if config["checkpoint"]["source"] != "local":
     rule fetch_checkpoint:
         output:
             directory(CKPT),
+        # synthetic weights are drawn on the campaign's device
+        resources:
+            **job_resources(gpu=1),
         params:
-            py=PY,
+            py=on_gpus(1),
             spec=json.dumps(config["checkpoint"], sort_keys=True),
             dtype=config["dtype"],
             device=config["device"],
@@ -41,6 +47,8 @@ rule record_checkpoint:
         config=rules.context.output.config,
     output:
         f"{E}/checkpoint.json",
+    resources:
+        **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,

@@ -3,12 +3,13 @@ import json
 import os
 import sys
 
+from workflow import gpus
 from workflow.campaign import evidence_config
 from workflow.evidence import config_hash, evidence_id, git_state
 
 PY = sys.executable  # the stages run in the interpreter that runs Snakemake
 GIT = git_state(workflow.basedir)
-RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, no paths
+RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, resources or paths
 EID = evidence_id(GIT, RECORDED, config["repeat"])
 E = f"evidence/{config['campaign']}/{EID}"
 SEALED = os.path.exists(f"{E}/MANIFEST.json")
@@ -85,35 +86,99 @@ def checkpoint_dir():
 
 
 CKPT = checkpoint_dir()
-# An engine run is a backend, `-triton` added when the engine decodes through the Triton kernels.
+# An engine run is a backend, `-triton` or `-graph` added when the engine decodes through the Triton kernels
+# or the CUDA-graph step.
 PARITY_RUNS = [b if k == "torch" else f"{b}-{k}" for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 PARITY = [f"{E}/parity/{r}-b{n}.json" for r in PARITY_RUNS for n in config["parity"]["batch_sizes"]]
 BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
 
 
+ONE_PROCESS = ("single", "hf")  # the engine on one device, and transformers (bench backend `hf`)
+
+
 def backend_of(wildcards):
-    """The backend of a rule's `run` wildcard (single, host-staged or collective, maybe `-triton`)."""
-    return wildcards.run.removesuffix("-triton")
+    """The backend of a rule's `run` wildcard (single, host-staged or collective, maybe `-triton` or `-graph`)."""
+    return wildcards.run.split("-triton")[0].split("-graph")[0]
 
 
 def kernels_of(wildcards):
-    return "triton" if wildcards.run.endswith("-triton") else "torch"
+    return next((k for k in ("triton", "graph") if wildcards.run.endswith(f"-{k}")), "torch")
 
 
 def launcher(wildcards, threads):
     """The engine's expert-parallel backends run as torchrun ranks; `single` is one process.
 
-    The job's threads are shared among the ranks: oversubscribed cores make gloo crawl.
+    The job's threads are shared among the ranks: oversubscribed cores make gloo crawl. On GPUs the job
+    holds one device per rank (engine_gpus).
     """
-    if backend_of(wildcards) == "single":
-        return PY
+    py = on_gpus(engine_gpus(wildcards))
+    if backend_of(wildcards) in ONE_PROCESS:
+        return py
     n = config["parallel"]["ep_size"]
-    return f"OMP_NUM_THREADS={max(1, threads // n)} {PY} -m torch.distributed.run --standalone --nproc-per-node {n}"
+    return f"OMP_NUM_THREADS={max(1, threads // n)} {py} -m torch.distributed.run --standalone --nproc-per-node {n}"
 
 
 def evidence_dir(wildcards):
     """The evidence directory, as a param function (a hard-coded prefix of outputs is a lint)."""
     return E
+
+
+# --- What each job asks for (README "Running on a cluster") -------------------------------------------------------
+# Each of the rules declares its Snakemake resources (job_resources), from the campaign: `gpu` (0 on a CPU
+# campaign; an expert-parallel job one per rank), `gpu_model` (GPU jobs, where the campaign sets one),
+# `cpus_per_task` (= its threads), `mem_mb`, `runtime` (minutes). The local scheduler caps running jobs by
+# them (`--cores`, `--resources gpu=N`); the Slurm executor turns them into sbatch/srun --gpus, --cpus-per-task,
+# --mem and --time. Locally Snakemake does not say which GPU a job gets: a GPU job's stage runs through
+# `python -m workflow.gpus N --`, which hands it N devices of its own (workflow/gpus.py); under Slurm,
+# Slurm chose them and that wrapper changes nothing.
+RES = config["resources"]
+SCHEDULE = "EVIDENT_SCHEDULE"
+
+
+def schedule():
+    """(the campaign's jobs use GPUs, the cores of a job that runs alone), decided once by the Snakemake process
+    that schedules the run and inherited by its jobs through the environment: a cluster job parses this file
+    again on its node, which may see other GPUs and cores (Slurm's jobs inherit the environment: --export=ALL)."""
+    if not workflow.is_main_process and os.environ.get(SCHEDULE):
+        kind, _, cores = os.environ[SCHEDULE].partition(",")
+        return kind == "gpu", int(cores)
+    uses = config["device"] == "cuda" or (config["device"] == "auto" and bool(gpus.visible()))
+    # a local run's --cores; a cluster executor has none (it places jobs on nodes): resources.cpus
+    cores = workflow.global_resources["_cores"].value or RES["cpus"] or config["parallel"]["ep_size"]
+    os.environ[SCHEDULE] = f"{'gpu' if uses else 'cpu'},{cores}"
+    return uses, cores
+
+
+USES_GPU, ALONE = schedule()  # ALONE: the threads of a timing run, so that no other job runs beside it
+# A device per expert-parallel rank; context records the devices the campaign uses (env.json), so it holds them all.
+EP_RUNS = any(b not in ONE_PROCESS for b in config["parity"]["backends"] + config["bench"]["backends"])
+CAMPAIGN_GPUS = config["parallel"]["ep_size"] if EP_RUNS else 1
+
+if USES_GPU and workflow.is_main_process:  # the local pool: the first N visible GPUs with --resources gpu=N
+    _size = getattr(workflow.global_resources.get("gpu"), "value", None)  # None: no --resources gpu given
+    _pool = gpus.export_pool(_size)
+    if _size is not None and _pool is not None and len(_pool) < _size:
+        print(f"evident: --resources gpu={_size}, but only {len(_pool)} GPU(s) are visible here: "
+              "GPU jobs wait for a free device", file=sys.stderr)
+
+
+def engine_gpus(wildcards):
+    """GPUs of an engine run (parity, bench): one per rank."""
+    return 1 if backend_of(wildcards) in ONE_PROCESS else config["parallel"]["ep_size"]
+
+
+def on_gpus(n):
+    """The interpreter a stage runs in, through workflow.gpus when it holds n GPUs."""
+    return f"{PY} -m workflow.gpus {n} -- {PY}" if USES_GPU and n else PY
+
+
+def job_resources(gpu=0):
+    """A rule's resources; `gpu` (the devices it holds on a GPU campaign) may be a function of the wildcards."""
+    res = {"gpu": gpu if USES_GPU else 0, "cpus_per_task": lambda wildcards, threads: threads,
+           "mem_mb": RES["mem_mb"], "runtime": RES["runtime"]}
+    if USES_GPU and gpu and RES["gpu_model"]:
+        res["gpu_model"] = RES["gpu_model"]
+    return res
 
 
 # `snakemake --lint` asks for a conda environment or container per rule. Deliberately none: the

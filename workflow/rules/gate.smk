@@ -1,4 +1,9 @@
-# The gate reads the sealed manifest only: `parity.require_exact` fails the run after sealing.
+# The gate reads the sealed manifest only: `parity.require_exact` fails the run after sealing. A few
+# milliseconds of work: under a cluster executor it runs where Snakemake runs, not as a cluster job.
+
+
+localrules:
+    gate,
 
 
 rule gate:
@@ -6,6 +11,8 @@ rule gate:
         f"{E}/MANIFEST.json",
     output:
         GATE,
+    resources:
+        **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,

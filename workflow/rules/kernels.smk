@@ -7,8 +7,11 @@ rule kernel_audit:
         config=rules.context.output.config,
     output:
         f"{E}/kernels/audit.json",
+    # compiles the kernels for the campaign's GPU
+    resources:
+        **job_resources(gpu=1),
     params:
-        py=PY,
+        py=on_gpus(1),
         ev=evidence_dir,
     log:
         f"{E}/logs/kernel-audit.log",

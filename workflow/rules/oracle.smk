@@ -7,8 +7,10 @@ rule oracle:
         record=rules.record_checkpoint.output,
     output:
         f"{E}/oracle/hf.json",
+    resources:
+        **job_resources(gpu=1),
     params:
-        py=PY,
+        py=on_gpus(1),
         ev=evidence_dir,
     log:
         f"{E}/logs/oracle.log",

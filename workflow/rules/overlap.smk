@@ -10,9 +10,11 @@ rule overlap:
         timings=f"{E}/overlap/timings.csv",
         plot=f"{E}/plots/overlap.png",
     # A timing run takes all cores, so no other job runs beside it; on the CPU it only compares bits.
-    threads: 1 if config["device"] == "cpu" else workflow.cores
+    threads: ALONE if USES_GPU else 1
+    resources:
+        **job_resources(gpu=1),
     params:
-        py=PY,
+        py=on_gpus(1),
         ev=evidence_dir,
     log:
         f"{E}/logs/overlap.log",

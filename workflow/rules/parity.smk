@@ -9,9 +9,12 @@ rule parity:
     output:
         [f"{E}/parity/{{run}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
-        run="(single|host-staged|collective)(-triton)?",
+        run="(single|host-staged|collective)(-triton|-graph)?",
     # one core per rank, so Snakemake does not run more processes than cores beside it
     threads: lambda wildcards: 1 if backend_of(wildcards) == "single" else config["parallel"]["ep_size"]
+    # on GPUs one device per rank
+    resources:
+        **job_resources(gpu=engine_gpus),
     params:
         launch=launcher,
         ev=evidence_dir,
@@ -33,6 +36,8 @@ rule compare:
         runs=PARITY,
     output:
         f"{E}/parity/comparison.json",
+    resources:
+        **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,

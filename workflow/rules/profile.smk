@@ -12,9 +12,11 @@ rule profile:
         kernels=f"{E}/profile/kernels.csv",
         plot=f"{E}/plots/profile.png",
     # A capture times kernels: no other job beside it on a GPU; on the CPU it only needs one core's worth.
-    threads: 1 if config["device"] == "cpu" else workflow.cores
+    threads: ALONE if USES_GPU else 1
+    resources:
+        **job_resources(gpu=1),
     params:
-        py=PY,
+        py=on_gpus(1),
         ev=evidence_dir,
     log:
         f"{E}/logs/profile.log",

@@ -12,9 +12,11 @@ rule quality:
         rows=[f"{E}/quality/gsm8k64-{t}-rows.jsonl" for t in QUALITY_TARGETS],
         gate=f"{E}/quality/gsm8k64-gate.json",
     # hf in process, then the engine server as a second process: one core each at most at a time
-    threads: 1 if config["device"] == "cpu" else workflow.cores
+    threads: ALONE if USES_GPU else 1
+    resources:
+        **job_resources(gpu=1),
     params:
-        py=PY,
+        py=on_gpus(1),
         ev=evidence_dir,
         args=quality_args,
     log:

@@ -15,6 +15,8 @@ rule seal:
     output:
         summary=f"{E}/SUMMARY.md",
         manifest=f"{E}/MANIFEST.json",
+    resources:
+        **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,
