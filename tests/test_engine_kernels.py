@@ -29,13 +29,18 @@ N_NEW = 4
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def micro_models(tmp_path_factory, enable):
+    """(HF's micro model, the engine on its checkpoint, a second engine with a decode path enabled)."""
     hf = hf_model(MICRO)
     ckpt = tmp_path_factory.mktemp("micro")
     hf.save_pretrained(ckpt)
     device = "cuda" if CUDA else "cpu"
-    return hf, load_model(ckpt, device=device), decode_kernels.enable(load_model(ckpt, device=device))
+    return hf, load_model(ckpt, device=device), enable(load_model(ckpt, device=device))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return micro_models(tmp_path_factory, decode_kernels.enable)
 
 
 def test_kernel_path_greedy_equals_hf(models, monkeypatch):

@@ -13,10 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 from engine import graph_decode  # noqa: E402
-from engine.checkpoint import load_model  # noqa: E402
 from engine.generate import generate  # noqa: E402
-from test_engine_kernels import MICRO, N_NEW, PROMPT  # noqa: E402
-from test_engine_parity import hf_generate, hf_model  # noqa: E402
+from test_engine_kernels import MICRO, N_NEW, PROMPT, micro_models  # noqa: E402
+from test_engine_parity import hf_generate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 LONGER = [5, 9, 60, 33, 12, 7, 81, 40]
@@ -24,11 +23,7 @@ LONGER = [5, 9, 60, 33, 12, 7, 81, 40]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    hf = hf_model(MICRO)
-    ckpt = tmp_path_factory.mktemp("micro")
-    hf.save_pretrained(ckpt)
-    device = "cuda" if CUDA else "cpu"
-    return hf, load_model(ckpt, device=device), graph_decode.enable(load_model(ckpt, device=device))
+    return micro_models(tmp_path_factory, graph_decode.enable)
 
 
 def test_graph_path_greedy_equals_hf(models):
