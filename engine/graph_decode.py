@@ -49,6 +49,11 @@ class GraphDecode:
             routed = {id(m) for layer in model.layers if isinstance(layer.mlp, MoE) for m in layer.mlp.experts.modules()}
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head, argmax=False,
                                   max_rows=1)
+        # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
+        from kernels.moe import moe_experts
+        from kernels.norm import add_rms_norm, rms_norm
+
+        self.moe_experts, self.add_rms_norm, self.rms_norm = moe_experts, add_rms_norm, rms_norm
         a, w = model.args, model.embed_tokens.weight
         self.device = w.device
         self.graphs = torch.cuda.is_available() and w.is_cuda
@@ -92,19 +97,17 @@ class GraphDecode:
 
     # --- the step ----------------------------------------------------------------------------
     def _step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
-        # Triton is imported on first use, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
-        from kernels.norm import add_rms_norm, rms_norm
-
-        m = self.model
+        m, add_rms_norm, rms_norm = self.model, self.add_rms_norm, self.rms_norm
         B = tokens.shape[0]
         pos = cache.lengths[:B]
         freqs = pos[:, None].float() * self.inv_freq
         freqs = torch.polar(torch.ones_like(freqs), freqs) * m.attention_scaling  # as Transformer.freqs_cis
         valid = torch.arange(cache.max_len, device=self.device)[None, :] <= pos[:, None]  # [B, L]
+        rows = torch.arange(B, device=self.device)  # once a step, not once a layer: each is a launch in the graph
         h = m.embed_tokens(tokens)
         x = rms_norm(h, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
         for i, layer in enumerate(m.layers):  # each residual add runs fused with the norm after it
-            attn = self._attention(layer.self_attn, x, freqs, cache, i, pos, valid)
+            attn = self._attention(layer.self_attn, x, freqs, cache, i, rows, pos, valid)
             h, x = add_rms_norm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             out = self._moe(layer.mlp, x, i) if isinstance(layer.mlp, MoE) else layer.mlp(x)
             after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
@@ -113,17 +116,14 @@ class GraphDecode:
         cache.lengths[:B] += 1
         return logits
 
-    def _attention(self, attn, x, freqs, cache: LatentCache, layer: int, pos, valid) -> torch.Tensor:
+    def _attention(self, attn, x, freqs, cache: LatentCache, layer: int, rows, pos, valid) -> torch.Tensor:
         B, H = x.shape[0], self.heads
         q, kv_a = project_pair(x, attn.q_in, attn.kv_a_proj_with_mqa, attn.pair_kernel)
         if not hasattr(attn, "q_proj"):
             q = attn.q_b_proj(attn.q_a_layernorm(q))
         q_nope, q_pe = q.view(B, H, -1).split([self.nope, attn.rope], dim=-1)
         c_kv, k_pe = kv_a.split([self.rank, attn.rope], dim=-1)
-        from kernels.norm import rms_norm
-
-        rows = torch.arange(B, device=self.device)
-        cache.kv[layer, rows, pos] = rms_norm(c_kv.contiguous(), attn.kv_a_layernorm.weight,
+        cache.kv[layer, rows, pos] = self.rms_norm(c_kv.contiguous(), attn.kv_a_layernorm.weight,
                                               attn.kv_a_layernorm.eps).to(cache.kv.dtype)
         cache.pe[layer, rows, pos] = apply_rope(k_pe, freqs).to(cache.pe.dtype)
         q_pe = apply_rope(q_pe, freqs[:, None])
@@ -138,11 +138,9 @@ class GraphDecode:
         return attn.o_proj(out.reshape(B, H * self.v_dim))
 
     def _moe(self, moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
-        from kernels.moe import moe_experts
-
         weights, idx = moe.route(x)
         w13, w2 = self.stacks[layer]
-        out = moe_experts(x, w13, w2, idx, weights).to(x.dtype)
+        out = self.moe_experts(x, w13, w2, idx, weights).to(x.dtype)
         return out if moe.shared_experts is None else out + moe.shared_experts(x)
 
 

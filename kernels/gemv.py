@@ -16,6 +16,7 @@ fused falls back to gemv_exact per segment, per-token to gemv_exact per row.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -118,6 +119,12 @@ def gemv_reason(x, w, out_dtype=None, block_k: int = BLOCK_K) -> str | None:
     return _common_reason(x, w, [out_dtype or x.dtype], block_k)
 
 
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90+; asked once per device, not on every launch."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _launch(x, w, outs: Sequence[torch.Tensor], ends: Sequence[int], rows: int, block_k: int):
     """One launch of the shared kernel; returns Triton's compiled kernel (None under the interpreter)."""
     nseg = len(outs)
@@ -126,7 +133,7 @@ def _launch(x, w, outs: Sequence[torch.Tensor], ends: Sequence[int], rows: int, 
     K = w.shape[1]
     block_n = INTERPRETER_BLOCK_N if interpreting() else BLOCK_N
     grid = (triton.cdiv(w.shape[0], block_n), rows)
-    pdl = PDL and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = PDL and not interpreting() and _hopper_or_later(x.device)
     return _rows_kernel[grid](x, w, *outs, *ends, x.stride(0) if x.dim() == 2 else 0, w.stride(0),
                               K=K, NSEG=nseg, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
                               PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))

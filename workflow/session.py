@@ -95,16 +95,23 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
     """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
     Triton decode path when kernels is `triton`, the CUDA-graph step when `graph`); backend `hf` loads
     transformers' model instead, as the oracle does (the benchmark's reference in the same run)."""
-    if backend == "hf":
-        yield _hf_session(ckpt_dir, evidence)
-        return
-    if backend not in BACKENDS or kernels not in KERNELS:
-        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS} and {KERNELS}")
+    if backend not in (*BACKENDS, "hf") or kernels not in KERNELS:
+        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS}, hf "
+                         f"and {KERNELS}")
     config = read_config(evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
     if device.startswith("cuda"):
         torch.set_num_threads(1)  # the host only launches kernels: idle OpenMP workers add jitter
+    # The tokenizer library itself (not transformers): the engine path imports no transformers code, and the
+    # hf backend gets the engine's prompt ids exactly.
+    tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
+    if backend == "hf":
+        from workflow.stages import oracle
+
+        _, model = oracle.load(ckpt_dir, config["dtype"], device)
+        yield Session(config, "hf", device, model, tok, eos_ids(ckpt_dir), None, "torch")
+        return
     ep = None
     if backend != "single":
         ep = init_from_env(backend, device)
@@ -117,22 +124,8 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
             decode_kernels.enable(model)
         elif kernels == "graph":
             graph_decode.enable(model)
-        # The tokenizer library itself (not transformers): the engine path imports no transformers code.
-        tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
         yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels)
     finally:
         if ep is not None:
             ep.close()
 
-
-def _hf_session(ckpt_dir: Path, evidence: Path) -> Session:
-    from workflow.stages import oracle
-
-    config = read_config(evidence / "config.yaml")
-    device = environment.resolve_device(config["device"])
-    checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
-    if device.startswith("cuda"):
-        torch.set_num_threads(1)
-    _, model = oracle.load(ckpt_dir, config["dtype"], device)
-    tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))  # the engine's prompt ids, exactly
-    return Session(config, "hf", device, model, tok, eos_ids(ckpt_dir), None, "torch")
