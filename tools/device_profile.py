@@ -59,8 +59,8 @@ def main() -> None:
     schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
     cfg = fill(schema, cfg)
     # what workflow.campaign.evidence_config records (that module imports snakemake, not on the GPU machine):
-    # no tracking; a synthetic checkpoint has no paths to redact
-    recorded = {k: v for k, v in cfg.items() if k != "tracking"}
+    # no tracking or resources; a synthetic checkpoint has no paths to redact
+    recorded = {k: v for k, v in cfg.items() if k not in ("tracking", "resources")}
     ev = a.root / "evidence" / cfg["campaign"] / evidence_id(git_state(REPO), recorded, cfg["repeat"])
     ckpt = a.root / "ckpt"
     spec = cfg["checkpoint"]
