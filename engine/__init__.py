@@ -5,6 +5,7 @@ model.py       Transformer (MLA attention over a compressed latent KV cache, MoE
 checkpoint.py  load_model(): HF-format safetensors -> Transformer; CheckpointError
 generate.py    greedy batched generation: generate() -> Generation
 decode_kernels.py  the `triton` decode path: projections and the greedy pick through kernels/ (Triton)
+graph_decode.py    the `graph` decode path: one CUDA-graph-captured step (MLA, router, experts, norms in kernels/)
 parallel.py    expert parallelism over torchrun ranks: ExpertParallel (host-staged | collective combine),
                init_from_env()
 

@@ -1,18 +1,26 @@
 """The engine's graph decode path (the `graph` kernels setting): one decode step of every batch row, static
 shapes, no host synchronisation, captured once per (batch, cache length) in a CUDA graph and replayed.
 
-- MLA in the latent space: kv_b_proj's up-projections are absorbed into the query (W_UK) and the output
-  (W_UV), so attention reads the compressed cache itself, kv_lora_rank + rope dims per token, over the
-  whole static cache with a position mask (no per-step slicing: the graph's shapes never change);
-- routed experts through ``kernels.moe.moe_experts`` (each chosen expert's weights read once per step,
-  whatever the number of rows that chose it), on weights stacked per layer: the experts' parameters are
-  re-seated as views of the stacks, so nothing is held twice;
-- every RMSNorm, with the residual add before it, is one launch (``kernels.norm``): eager torch spends
-  about eight on each;
-- the step reads its positions from the cache's lengths on the device and advances them itself.
+A layer is ten launches (engine/DECODE.md counts them):
+- attention: the q and kv_a projections (one fused GEMV at batch 1), ``kernels.mla.mla_cache_write`` (the
+  latent's RMSNorm, rope of k and q, the cache write), ``kernels.mla.mla_attention`` (MLA in the latent space:
+  kv_b_proj's up-projections absorbed into the query and the output, so attention reads the compressed cache
+  itself, kv_lora_rank + rope dims per token, up to each row's position), o_proj;
+- the residual add with the RMSNorm after it (``kernels.norm``);
+- the MoE: the router (``kernels.route``: fp32 logits, softmax, top-k), the routed pairs sorted by expert, and
+  ``kernels.moe``'s two expert kernels. The shared experts ride along as extra experts of the stacks (slices of
+  moe_intermediate_size, weight 1), so each chosen or shared expert's weights are read once per step. The
+  weighted sum over slots is fused into the next residual add and norm.
 
-Prefill stays on the model's ordinary forward, into the same cache. Without CUDA the same step runs eagerly
-(the MoE kernel through Triton's interpreter, or its torch fallback), which is how CI tests it.
+Under expert parallelism each rank stacks its own experts and maps the router's ids to local ones (-1 for
+another rank's; shared slice j is computed on rank j mod world); the fp32 partials are summed by the
+collective combine (NCCL, captured in the graph) before the add. The host-staged combine copies through host
+memory, which a graph cannot hold, so that backend runs the same step eagerly.
+
+The routed experts' parameters are re-seated as views of the stacks, so nothing is held twice; the shared
+slices are copies (the prefill keeps the shared MLP's own weights). Prefill stays on the model's ordinary
+forward, into the same cache. Without CUDA the step runs eagerly (the kernels through Triton's interpreter, or
+their torch fallbacks), which is how CI tests it.
 """
 from __future__ import annotations
 
@@ -20,15 +28,22 @@ import torch
 from torch import nn
 
 from . import decode_kernels
-from .model import MoE, LatentCache, Transformer, apply_rope, project_pair
+from .model import MoE, LatentCache, Transformer, project_pair
 
 
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [E, 2I, D] (gate rows then up rows) and w2 [E, D, I]; each expert's weights become views of them."""
-    experts = [moe.experts[str(e)] for e in range(len(moe.experts))]
-    w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
-    w2 = torch.stack([m.down_proj.weight for m in experts])
+    """w13 [E_local + S, 2I, D] (gate rows then up rows) and w2 [E_local + S, D, I]: this rank's routed experts in
+    ascending id, then the shared MLP cut into S slices of I. The routed experts' weights become views of them."""
+    experts = [moe.experts[e] for e in sorted(moe.experts, key=int)]
     inter = experts[0].gate_proj.weight.shape[0]
+    pairs = [(torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight) for m in experts]
+    if moe.shared_experts is not None:
+        sh = moe.shared_experts
+        for j in range(sh.gate_proj.weight.shape[0] // inter):
+            rows = slice(j * inter, (j + 1) * inter)
+            pairs.append((torch.cat([sh.gate_proj.weight[rows], sh.up_proj.weight[rows]]),
+                          sh.down_proj.weight[:, rows]))
+    w13, w2 = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
     for m, a, b in zip(experts, w13, w2):
         m.gate_proj.weight = nn.Parameter(a[:inter], requires_grad=False)
         m.up_proj.weight = nn.Parameter(a[inter:], requires_grad=False)
@@ -36,13 +51,26 @@ def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
+def _remap(moe: MoE, n_routed: int, n_shared: int, ep) -> torch.Tensor | None:
+    """Router id (global expert, then E + shared slice) -> row of this rank's stacks, -1 where another rank
+    computes it; None on one device, where the two agree."""
+    if ep is None:
+        return None
+    local = sorted(int(e) for e in moe.experts)
+    table = [-1] * (n_routed + n_shared)
+    for i, e in enumerate(local):
+        table[e] = i
+    for j in range(n_shared):
+        if j % ep.world_size == ep.rank:
+            table[n_routed + j] = len(local) + j
+    return torch.tensor(table, dtype=torch.long, device=moe.gate.weight.device)
+
+
 class GraphDecode:
     """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
-        if model.ep is not None:
-            raise ValueError("the graph decode path runs on the single backend (no expert parallelism)")
-        self.model = model
+        self.model, self.ep = model, model.ep
         if projections == "triton":  # batch 1's dense projections through kernels/gemv.py (PDL, fused pairs):
             # 5.05 against 5.30 ms a step on an H200, while at batch 8 cuBLAS is faster (engine/DECODE.md). The
             # routed experts have their own kernel, and the vocabulary projection is cuBLAS's at any batch.
@@ -50,23 +78,34 @@ class GraphDecode:
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head, argmax=False,
                                   max_rows=1)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
-        from kernels.moe import moe_experts
-        from kernels.norm import add_rms_norm, rms_norm
+        from kernels import mla, moe, norm, route
 
-        self.moe_experts, self.add_rms_norm, self.rms_norm = moe_experts, add_rms_norm, rms_norm
+        self.mla, self.moe, self.norm, self.route = mla, moe, norm, route
         a, w = model.args, model.embed_tokens.weight
         self.device = w.device
-        self.graphs = torch.cuda.is_available() and w.is_cuda
+        # a graph holds device work only: the host-staged combine runs eagerly
+        self.graphs = torch.cuda.is_available() and w.is_cuda and (self.ep is None or self.ep.backend == "collective")
         self.inv_freq = model.inv_freq.to(self.device)  # on the device: a host copy cannot be captured
-        self.stacks = {i: _stack_experts(layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)}
-        self.heads, self.nope, self.v_dim, self.rank = (a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim,
-                                                        a.kv_lora_rank)
+        self.stacks, self.remaps = {}, {}
+        for i, layer in enumerate(model.layers):
+            if isinstance(layer.mlp, MoE):
+                self.stacks[i] = _stack_experts(layer.mlp)
+                n_shared = self.stacks[i][0].shape[0] - len(layer.mlp.experts)
+                self.remaps[i] = _remap(layer.mlp, a.n_routed_experts, n_shared, self.ep)
         self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
+        if self.ep is not None:
+            self.ep.before_close(self.release)
+
+    def release(self) -> None:
+        """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
+        for _, state in self.caches.values():
+            if "graph" in state:
+                state["graph"].reset()
+        self.caches.clear()
 
     def cache(self, rows: int, max_len: int) -> LatentCache:
         """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
-        addresses); its lengths start at zero. Positions past a row's length are masked, so stale ones are
-        never read."""
+        addresses); its lengths start at zero. Positions past a row's length are never read."""
         key = (rows, max_len)
         if key not in self.caches:
             self.caches[key] = (LatentCache.for_model(self.model, rows, max_len), {})
@@ -97,51 +136,44 @@ class GraphDecode:
 
     # --- the step ----------------------------------------------------------------------------
     def _step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
-        m, add_rms_norm, rms_norm = self.model, self.add_rms_norm, self.rms_norm
-        B = tokens.shape[0]
-        pos = cache.lengths[:B]
-        freqs = pos[:, None].float() * self.inv_freq
-        freqs = torch.polar(torch.ones_like(freqs), freqs) * m.attention_scaling  # as Transformer.freqs_cis
-        valid = torch.arange(cache.max_len, device=self.device)[None, :] <= pos[:, None]  # [B, L]
-        rows = torch.arange(B, device=self.device)  # once a step, not once a layer: each is a launch in the graph
+        m, norm = self.model, self.norm
+        pos = cache.lengths[:tokens.shape[0]]
         h = m.embed_tokens(tokens)
-        x = rms_norm(h, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
+        x = norm.rms_norm(h, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
         for i, layer in enumerate(m.layers):  # each residual add runs fused with the norm after it
-            attn = self._attention(layer.self_attn, x, freqs, cache, i, rows, pos, valid)
-            h, x = add_rms_norm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            out = self._moe(layer.mlp, x, i) if isinstance(layer.mlp, MoE) else layer.mlp(x)
+            attn = self._attention(layer.self_attn, x, cache, i, pos)
+            h, x = norm.add_rms_norm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-            h, x = add_rms_norm(h, out, after.weight, after.eps)
+            if isinstance(layer.mlp, MoE):
+                h, x = self._moe(layer.mlp, x, h, i, after)
+            else:
+                h, x = norm.add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
         logits = m.lm_head(x)
-        cache.lengths[:B] += 1
+        pos += 1
         return logits
 
-    def _attention(self, attn, x, freqs, cache: LatentCache, layer: int, rows, pos, valid) -> torch.Tensor:
-        B, H = x.shape[0], self.heads
+    def _attention(self, attn, x, cache: LatentCache, layer: int, pos) -> torch.Tensor:
         q, kv_a = project_pair(x, attn.q_in, attn.kv_a_proj_with_mqa, attn.pair_kernel)
         if not hasattr(attn, "q_proj"):
             q = attn.q_b_proj(attn.q_a_layernorm(q))
-        q_nope, q_pe = q.view(B, H, -1).split([self.nope, attn.rope], dim=-1)
-        c_kv, k_pe = kv_a.split([self.rank, attn.rope], dim=-1)
-        cache.kv[layer, rows, pos] = self.rms_norm(c_kv.contiguous(), attn.kv_a_layernorm.weight,
-                                              attn.kv_a_layernorm.eps).to(cache.kv.dtype)
-        cache.pe[layer, rows, pos] = apply_rope(k_pe, freqs).to(cache.pe.dtype)
-        q_pe = apply_rope(q_pe, freqs[:, None])
-        kv, pe = cache.kv[layer, :B], cache.pe[layer, :B]  # [B, L, R], [B, L, Dr]
-        w_kv = attn.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_kv[:, :self.nope])  # W_UK absorbed into the query
-        scores = (torch.einsum("bhr,blr->bhl", q_lat, kv) + torch.einsum("bhd,bld->bhl", q_pe, pe)).float()
-        scores = (scores * attn.scale).masked_fill(~valid[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1).to(x.dtype)
-        o_lat = torch.einsum("bhl,blr->bhr", probs, kv)
-        out = torch.einsum("bhr,hvr->bhv", o_lat, w_kv[:, self.nope:])  # W_UV absorbed into the output
-        return attn.o_proj(out.reshape(B, H * self.v_dim))
+        q = q.view(x.shape[0], attn.n_heads, -1)
+        self.mla.mla_cache_write(q, kv_a, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, self.inv_freq,
+                                 self.model.attention_scaling, pos, cache.kv, cache.pe, layer)
+        w_kv = attn.kv_b_proj.weight.view(attn.n_heads, attn.nope + attn.v_dim, attn.kv_lora_rank)
+        return attn.o_proj(self.mla.mla_attention(q, w_kv, cache.kv, cache.pe, layer, pos, attn.scale))
 
-    def _moe(self, moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
-        weights, idx = moe.route(x)
+    def _moe(self, moe: MoE, x: torch.Tensor, h: torch.Tensor, layer: int, after):
+        """(h + the MoE's output, its norm): routed and shared experts through the stacks."""
         w13, w2 = self.stacks[layer]
-        out = self.moe_experts(x, w13, w2, idx, weights).to(x.dtype)
-        return out if moe.shared_experts is None else out + moe.shared_experts(x)
+        n_shared = w13.shape[0] - len(moe.experts)
+        ids, weights = self.route.route(x, moe.gate.weight, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
+                                        shared=n_shared, remap=self.remaps[layer])
+        if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
+            partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
+            return self.norm.add_rms_norm(h, partial, after.weight, after.eps)
+        pairs = self.moe.route(ids)  # sorted by expert once, for both kernels
+        y = self.moe.experts_down(self.moe.experts_gate_up(x, w13, ids, pairs), w2, ids, pairs)
+        return self.norm.moe_add_rms_norm(h, y, weights, after.weight, after.eps)
 
 
 def enable(model: Transformer) -> Transformer:

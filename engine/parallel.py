@@ -48,6 +48,7 @@ class ExpertParallel:
         self._host_group = host_group  # gloo group for host staging (None: the default group)
         self._owns_default_group = owns_default_group
         self._pinned: torch.Tensor | None = None  # reusable host staging buffer (CUDA only)
+        self._before_close: list = []  # callables run first by close()
 
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
@@ -91,8 +92,15 @@ class ExpertParallel:
         host.copy_(t)  # blocking: the buffer is reused on the next call
         return host
 
+    def before_close(self, fn) -> None:
+        """Run ``fn()`` at the start of close(). CUDA graphs that captured NCCL collectives must be freed before the
+        communicator is destroyed, or destroy_process_group hangs (pytorch/pytorch#115388)."""
+        self._before_close.append(fn)
+
     def close(self) -> None:
         """Destroy the host-staging group and, if init_from_env created it, the default group."""
+        while self._before_close:
+            self._before_close.pop()()
         if not dist.is_initialized():
             return
         if self._host_group is not None:

@@ -3,7 +3,9 @@
 gemv.py    gemv_exact, gemv_fused, gemm_per_token: one deterministic row kernel, bitwise contracts
 argmax.py  argmax_batch: greedy pick, lowest index on ties
 moe.py     experts_gate_up, experts_down, moe_experts: routed experts, each read once per call (moe_bench.py)
-norm.py    rms_norm, add_rms_norm: the residual add and RMSNorm in one launch
+route.py   route: the MoE router (fp32 logits, softmax, top-k, shared slots) in two launches
+mla.py     mla_cache_write, mla_attention: MLA decode in the latent space (norm, rope, cache write, attention)
+norm.py    rms_norm, add_rms_norm, moe_add_rms_norm: the residual add (or the MoE sum) and RMSNorm in one launch
 audit.py   registers, spills and shared memory of each compiled kernel
 bench.py   gemv_fused against F.linear on a GPU
 

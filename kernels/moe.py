@@ -1,29 +1,47 @@
 """Routed experts of a MoE layer at decode: experts_gate_up, experts_down, moe_experts, for CUDA-graph capture.
 
-For B tokens that each chose k distinct experts (ids [B, k]):
+For B tokens that each chose k experts (ids [B, k]). An id of -1 marks a (token, slot) pair not computed on this
+device (expert parallelism: its expert lives on another rank):
 
 - ``experts_gate_up``: h[b, s] = silu(g) * u, g and u the gate and up rows of expert ids[b, s] against x[b]
   (w13 [E, 2I, D]: rows 0..I-1 gate_proj, I..2I-1 up_proj), fp32 sums, silu and product, cast once to x's dtype;
-- ``experts_down``: y[b, s] = w2[ids[b, s]] @ h[b, s] in fp32 (w2 [E, D, I]);
-- ``moe_experts``: out[b] = sum over s ascending of weights[b, s] * y[b, s], fp32.
+  the rows of -1 pairs are left unspecified;
+- ``experts_down``: y[b, s] = w2[ids[b, s]] @ h[b, s] in fp32 (w2 [E, D, I]); 0.0 for a -1 pair, whose h row is
+  not read;
+- ``moe_experts``: out[b] = sum over s ascending of weights[b, s] * y[b, s], fp32: the sum over the slots with an
+  id >= 0 (a -1 slot adds weights[b, s] * 0, so its weight must be finite);
+- ``route(ids)``: the pairs sorted by expert on the device (None at B = 1, where no kernel needs them). A caller
+  of experts_gate_up and experts_down on the same ids routes once and passes ``route=`` to both (moe_experts
+  does so itself).
 
-Each expert's weights are read once per call however many tokens chose it, without the host: the B*k
-(token, slot) pairs are sorted by expert on the device (stable, so a group's tokens come in ascending b), and a
-fixed grid of (weight-row block, sorted pair) programs runs. The first pair of each group loads the group's
-weight rows once and applies them to each member's input; the other programs of the group return at once. No
-shape depends on the data and nothing waits on the host, so a call can be captured in a CUDA graph and replayed
-with new ids.
+Two kernels, chosen at launch from B (known on the host, so the grid may differ):
 
-Every output element is summed the same way whatever the batch: one member at a time, fp32 products over a
-fixed BLOCK_K slice summed by one [BLOCK_N, BLOCK_K] reduction, slices added in ascending K. The group size
-only decides how many members share the loaded weights, never the order of a member's sums, so a row of a
-batch of 8 is bitwise equal to the same row at batch 1 (num_warps, BLOCK_N and BLOCK_K are module constants,
-the same for every batch, since they shape the reduction tree).
+- B = 1: one program per (weight-row block, pair), one warp, fp32 products over a BLOCK_K slice summed by one
+  [BLOCK_N, BLOCK_K] reduction, slices added in ascending K: a gemv at ~85% of the HBM bandwidth on an H200.
+  The pairs need no sort.
+- B >= 2: each expert's weights are read once per call however many tokens chose it, without the host. The B*k
+  pairs are sorted by expert on the device (stable, so a group's tokens come in ascending b; -1 pairs first) and
+  a fixed grid of (weight-row block, sorted pair) programs runs. The pair that starts a group, and every G-th
+  pair after it in a group larger than G = 16 (a row repeating an expert), loads the inputs of its (up to) G
+  members as a [G, BLOCK_K] tile, rows past them 0, against a [BLOCK_N, BLOCK_K] weight tile, and multiplies
+  them on the tensor cores (tl.dot, fp32 accumulation, K slices in ascending order). The other programs return
+  at once; those of -1 pairs read no weights (experts_down's store zeros).
+
+No shape depends on the data and nothing waits on the host, so a call can be captured in a CUDA graph and
+replayed with new ids.
+
+Numerics. Both kernels accumulate in fp32: products of 16-bit inputs are exact on the tensor cores, and fp32
+inputs take an fp32 FMA dot (not TF32). The two kernels sum in different orders, so a row computed at B = 1 and
+within a batch agree to fp32 rounding, not to the bit. What holds bitwise is that identical input rows of one
+call give identical output rows: an MMA computes every row of its tile with the same instructions, whatever
+the row's place, and the tile is always G rows, with block shapes that do not depend on B or on the routing.
+The decode pipeline's parity gate relies on it (every row of its batch carries the same prompt).
+Under the Triton interpreter the dot takes fp32 operands (its bf16 dot is wrong), with the same contracts.
 
 Inadmissible inputs (``moe_reason`` / ``gate_up_reason`` / ``down_reason``) take the torch path, which computes
-the same maths (moe_reference's pieces); wrong shapes raise ValueError. ids must lie in [0, E): the kernels
-cannot check that without a host synchronisation. A row that repeats an expert is still computed correctly
-(the kernel splits groups larger than MAX_GROUP), only slower.
+the same maths (moe_reference's pieces, honouring -1 alike); wrong shapes raise ValueError. ids must lie in
+[-1, E): the kernels cannot check that without a host synchronisation. A row that repeats an expert is still
+computed correctly, only slower.
 """
 from __future__ import annotations
 
@@ -33,88 +51,124 @@ import triton.language as tl
 
 from ._admit import device_reason, dtype_reason, interpreting
 
-MAX_B = 16  # tokens per call; the largest group tile is next_power_of_2(MAX_B)
-# One weight row per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
-# experts_down, DOWN_BLOCK_N): gemv.py's finding on an H200 at K=2048..4096. Untuned for these kernels: see
-# python -m kernels.moe_bench --variants. BLOCK_K and NUM_WARPS shape the reduction tree, so changing them
-# changes the bits for every batch size at once, never between batch sizes; they must not depend on B.
+MAX_B = 16  # tokens per call
+# B = 1: one weight row per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
+# experts_down, DOWN_BLOCK_N): gemv.py's finding on an H200 at K=2048..4096.
 BLOCK_N = 1
 DOWN_BLOCK_N = 1
 BLOCK_K = 512
 NUM_WARPS = 1
-# The interpreter runs programs one by one in Python and sums each row with numpy on its own: taller blocks give
-# the same results with far fewer programs.
+MAX_K = 16384  # the one-row kernel's K loop is unrolled at compile time
+# B >= 2: tensor-core tiles of G tokens (tl.dot's smallest tile side is 16) against DOT_BLOCK_N weight rows
+# (experts_gate_up: that many gate rows and as many up rows). Untuned: python -m kernels.moe_bench --variants.
+# None of these may depend on B or on the routing (identical rows must stay bitwise identical).
+G = 16
+DOT_BLOCK_N = 64
+DOT_DOWN_BLOCK_N = 64
+DOT_BLOCK_K = 128
+DOT_WARPS = 4
+DOT_STAGES = 3  # the K loop's software pipeline: weight tiles in flight per program
+# The interpreter runs programs one by one in Python: taller blocks give the same results with far fewer
+# programs.
 INTERPRETER_BLOCK_N = 1024
-MAX_K = 16384  # the K loop is unrolled at compile time
 BLOCK_D = 1024  # the weighted sum over slots: D columns per program
 COMBINE_WARPS = 4
 
 
 @triton.jit
-def _group(inp, w_e, out, sorted_ids, order, j, e, n_pairs, rows, DIV: tl.constexpr, N: tl.constexpr,
-           K: tl.constexpr, GATED: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows `rows` of expert e's weights (w_e) against the inputs of sorted pairs j..j+G-1 that chose e."""
-    gs = tl.arange(0, G)
-    idx = j + gs
-    live = (idx < n_pairs) & (tl.load(sorted_ids + idx, mask=idx < n_pairs, other=-1) == e)
-    pair = tl.load(order + idx, mask=live, other=0)  # the flat b*k + s index: where the result goes
+def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """B = 1. Program (n, j): weight rows n*BLOCK_N.. of pair p's expert against p's input row; p = j, or
+    order[j] if the pairs come sorted (keys are then the sorted ids)."""
+    j = tl.program_id(1)
+    e = tl.load(keys + j)
+    p = tl.load(order + j) if SORTED else j.to(tl.int64)  # the flat pair index b*k + s: where the result goes
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rlive = rows < N
+    if e < 0:  # computed on another device: no weights read; y's row is 0, h's left as it is
+        if not GATED:
+            tl.store(out + p * N + rows, tl.zeros([BLOCK_N], dtype=tl.float32), mask=rlive)
+        return
+    w_e = w + e * ((2 * N if GATED else N) * K)
+    src = p // DIV  # the input row: token b for gate/up (DIV = k), the pair's own h row for down (DIV = 1)
     cols = tl.arange(0, BLOCK_K)
-    acc_a = tl.zeros([G, BLOCK_N], dtype=tl.float32)  # gate rows (or down rows)
-    acc_b = tl.zeros([G, BLOCK_N], dtype=tl.float32)  # up rows
+    acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # gate rows (or down rows)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)  # up rows
     for k0 in tl.static_range(0, K, BLOCK_K):  # fixed ascending order over K slices
         kk = k0 + cols
         kin = kk < K
         wmask = rlive[:, None] & kin[None, :]
-        # the weight slice is loaded once and kept in registers for every member
+        xk = tl.load(inp + src * K + kk, mask=kin, other=0.0).to(tl.float32)
         wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        acc_a += tl.sum(wa * xk[None, :], axis=1)
         if GATED:
             wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
-        for g in tl.static_range(G):
-            # one member at a time: its sums are the same [BLOCK_N, BLOCK_K] reduction whatever G is. Its input
-            # row: token b for gate/up (DIV = k), the pair's own h row for down (DIV = 1). A dead member (past the
-            # group) reads some pair's row and is never stored: no branch, so the loads can be hoisted.
-            src = tl.load(order + j + g, mask=j + g < n_pairs, other=0) // DIV
-            sel = (gs == g)[:, None]
-            xg = tl.load(inp + src * K + kk, mask=kin, other=0.0).to(tl.float32)
-            acc_a = tl.where(sel, acc_a + tl.sum(wa * xg[None, :], axis=1)[None, :], acc_a)
-            if GATED:
-                acc_b = tl.where(sel, acc_b + tl.sum(wb * xg[None, :], axis=1)[None, :], acc_b)
-    dst = out + pair[:, None] * N + rows[None, :]
-    smask = live[:, None] & rlive[None, :]
+            acc_b += tl.sum(wb * xk[None, :], axis=1)
+    if GATED:
+        tl.store(out + p * N + rows, (acc_a * tl.sigmoid(acc_a) * acc_b).to(out.dtype.element_ty), mask=rlive)
+    else:
+        tl.store(out + p * N + rows, acc_a, mask=rlive)
+
+
+@triton.jit
+def _mma(wt, xt, acc, F32: tl.constexpr):
+    """acc [BLOCK_N, G] += wt [BLOCK_N, BLOCK_K] @ xt [G, BLOCK_K]^T, fp32 accumulation. F32: fp32 operands and an
+    exact fp32 dot (fp32 inputs, where TF32 would be the default; and the interpreter, whose dot mishandles bf16)."""
+    if F32:
+        acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(wt, tl.trans(xt), acc)
+    return acc
+
+
+@triton.jit
+def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                GATED: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """B >= 2. Program (n, j): weight rows n*BLOCK_N.. of sorted pair j's expert against the inputs of the up to
+    G pairs from j on that chose it, if j leads them (it starts its group, or lies a multiple of G past the
+    start); else nothing."""
+    j = tl.program_id(1)
+    e = tl.load(sorted_ids + j)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rlive = rows < N
+    if e < 0:  # computed on another device: no weights read; y's row is 0, h's left as it is
+        if not GATED:
+            tl.store(out + tl.load(order + j) * N + rows, tl.zeros([BLOCK_N], dtype=tl.float32), mask=rlive)
+        return
+    first = tl.load(sorted_ids + j - 1, mask=j > 0, other=-2) != e
+    deep = tl.load(sorted_ids + j - G, mask=j >= G, other=-2) == e  # more than G pairs of the group up to j
+    start = j
+    if deep:  # only then can j be a later leader: find the group's start, the count of smaller ids
+        every = tl.arange(0, NP)
+        smaller = (every < n_pairs) & (tl.load(sorted_ids + every, mask=every < n_pairs, other=0) < e)
+        start = tl.sum(smaller.to(tl.int32), axis=0)
+    if (first | (deep & ((j - start) % G == 0))) == 0:
+        return  # another program does this pair's work
+    idx = j + tl.arange(0, G)
+    live = (idx < n_pairs) & (tl.load(sorted_ids + idx, mask=idx < n_pairs, other=-2) == e)
+    pair = tl.load(order + idx, mask=live, other=0)  # the flat b*k + s index: where the result goes
+    src = pair // DIV  # the input row: token b for gate/up (DIV = k), the pair's own h row for down (DIV = 1)
+    w_e = w + e * ((2 * N if GATED else N) * K)
+    cols = tl.arange(0, BLOCK_K)
+    acc_a = tl.zeros([BLOCK_N, G], dtype=tl.float32)  # gate rows (or down rows) x tokens
+    acc_b = tl.zeros([BLOCK_N, G], dtype=tl.float32)  # up rows x tokens
+    for k0 in range(0, K, BLOCK_K):  # ascending K slices, pipelined (num_stages)
+        kk = k0 + cols
+        kin = kk < K
+        xt = tl.load(inp + src[:, None] * K + kk[None, :], mask=live[:, None] & kin[None, :], other=0.0)
+        wmask = rlive[:, None] & kin[None, :]
+        wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+        acc_a = _mma(wa, xt, acc_a, F32)
+        if GATED:
+            wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+            acc_b = _mma(wb, xt, acc_b, F32)
+    dst = out + pair[None, :] * N + rows[:, None]
+    smask = rlive[:, None] & live[None, :]
     if GATED:
         tl.store(dst, (acc_a * tl.sigmoid(acc_a) * acc_b).to(out.dtype.element_ty), mask=smask)
     else:
         tl.store(dst, acc_a, mask=smask)
-
-
-@triton.jit
-def _experts_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                    GATED: tl.constexpr, MAX_GROUP: tl.constexpr, G2: tl.constexpr, G4: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (n, j): weight rows n*BLOCK_N.. of sorted pair j's expert, if j is its group's first pair."""
-    j = tl.program_id(1)
-    e = tl.load(sorted_ids + j)
-    first = tl.load(sorted_ids + j - 1, mask=j > 0, other=-1) != e
-    # Only a row repeating an expert makes a group larger than MAX_GROUP; a pair beyond its first pair's reach
-    # is then computed on its own (same sums, weights read again).
-    alone = tl.load(sorted_ids + j - MAX_GROUP, mask=j >= MAX_GROUP, other=-1) == e
-    if (first | alone) == 0:
-        return  # another program of this group does its work
-    ahead = j + tl.arange(0, MAX_GROUP)
-    same = (ahead < n_pairs) & (tl.load(sorted_ids + ahead, mask=ahead < n_pairs, other=-1) == e)
-    n = tl.sum((same & first).to(tl.int32), axis=0)  # the group's size up to MAX_GROUP; 0 for a lone pair
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_e = w + e * ((2 * N if GATED else N) * K)
-    # the smallest tile that holds the group: members beyond it cost compute, not memory
-    if n <= 1:
-        _group(inp, w_e, out, sorted_ids, order, j, e, n_pairs, rows, DIV, N, K, GATED, 1, BLOCK_N, BLOCK_K)
-    elif n <= G2:
-        _group(inp, w_e, out, sorted_ids, order, j, e, n_pairs, rows, DIV, N, K, GATED, G2, BLOCK_N, BLOCK_K)
-    elif n <= G4:
-        _group(inp, w_e, out, sorted_ids, order, j, e, n_pairs, rows, DIV, N, K, GATED, G4, BLOCK_N, BLOCK_K)
-    else:
-        _group(inp, w_e, out, sorted_ids, order, j, e, n_pairs, rows, DIV, N, K, GATED, MAX_GROUP, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -134,13 +188,15 @@ def _combine_kernel(y, wts, out, D: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: 
 
 def _gate_up_torch(x, w13, ids):
     inter = w13.shape[1] // 2
-    gu = (w13[ids].float() @ x.float()[:, None, :, None])[..., 0]  # [B, k, 2I], the weights gathered per pair
+    here = ids >= 0  # -1: computed elsewhere; its row is set to 0 here
+    gu = (w13[ids.clamp(min=0)].float() @ x.float()[:, None, :, None])[..., 0]  # [B, k, 2I], weights per pair
     g, u = gu[..., :inter], gu[..., inter:]
-    return (torch.nn.functional.silu(g) * u).to(x.dtype)
+    return torch.where(here[..., None], torch.nn.functional.silu(g) * u, 0.0).to(x.dtype)
 
 
 def _down_torch(h, w2, ids):
-    return (w2[ids].float() @ h.float()[..., None])[..., 0]
+    y = (w2[ids.clamp(min=0)].float() @ h.float()[..., None])[..., 0]
+    return torch.where((ids >= 0)[..., None], y, 0.0)  # where, not a product: h's rows of -1 pairs may be NaN
 
 
 def _combine_torch(y, weights):
@@ -158,10 +214,18 @@ def moe_reference(x, w13, w2, ids, weights):
 
 # ---- shapes (errors) and admission (fallbacks) --------------------------------------------------------------
 
-def _check_ids(ids, rows):
-    if ids.dim() != 2 or ids.shape[0] != rows or ids.dtype.is_floating_point or ids.dtype.is_complex \
+def _check_ids(ids, rows=None):
+    if ids.dim() != 2 or rows not in (None, ids.shape[0]) or ids.dtype.is_floating_point or ids.dtype.is_complex \
             or ids.dtype == torch.bool:
-        raise ValueError(f"expected integer ids [B={rows}, k], got {tuple(ids.shape)} {ids.dtype}")
+        raise ValueError(f"expected integer ids [B{'' if rows is None else f'={rows}'}, k], got {tuple(ids.shape)} "
+                         f"{ids.dtype}")
+
+
+def _check_route(route, ids):
+    if route is None:
+        return
+    if len(route) != 2 or any(t.shape != (ids.numel(),) for t in route):
+        raise ValueError(f"expected route (sorted_ids, order) of {ids.numel()} pairs each, as route(ids) gives")
 
 
 def _check_gate_up(x, w13, ids):
@@ -245,60 +309,92 @@ MAX_RANK = 1024  # ids sorted by _rank_kernel (B*k pairs); more go through torch
 
 
 def _route(ids):
-    """The (token, slot) pairs sorted by expert on the device, stable: (sorted expert ids, flat pair indices)."""
+    """The B*k (token, slot) pairs of ids [B, k] sorted by expert on the device, stable (-1 first): (sorted ids,
+    flat pair indices b*k + s), int64 [B*k] each."""
     flat = ids.reshape(-1)
-    if flat.numel() > MAX_RANK:
-        return torch.sort(flat, stable=True)
+    if flat.numel() > MAX_RANK or flat.dtype != torch.int64 or device_reason(flat):
+        return torch.sort(flat.long(), stable=True)
     sorted_ids, order = torch.empty_like(flat), torch.empty_like(flat)
     _rank_kernel[(1,)](flat, sorted_ids, order, flat.numel(), NP=triton.next_power_of_2(flat.numel()), num_warps=4)
     return sorted_ids, order
 
 
-def _launch(inp, w, out, route, slots: int, gated: bool):
-    """One launch of the experts kernel; returns Triton's compiled kernel (None under the interpreter)."""
+def route(ids):
+    """What experts_gate_up and experts_down need to group the pairs of ids [B, k], computed once for both: at
+    B >= 2 the pairs sorted by expert on the device, stable, -1 first: (sorted ids, flat pair indices b*k + s),
+    int64 [B*k] each; at B = 1 None (the one-row kernel takes the pairs as they come: no launch)."""
+    _check_ids(ids)
+    return None if ids.shape[0] == 1 else _route(ids)
+
+
+def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
+    """One launch of the experts kernel for out's B; returns Triton's compiled kernel (None under the
+    interpreter). At B = 1 route may be None (ids then given): pairs in their own order."""
+    B = out.shape[0]
+    N, K = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
+    if B == 1:
+        keys, order = (ids.reshape(-1), None) if route is None else route
+        block_n = min(INTERPRETER_BLOCK_N, triton.next_power_of_2(N)) if interpreting() else \
+            (BLOCK_N if gated else DOWN_BLOCK_N)
+        return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
+            inp, w, out, keys, keys if order is None else order, DIV=slots if gated else 1, N=N, K=K, GATED=gated,
+            SORTED=order is not None, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)),
+            num_warps=NUM_WARPS)
     sorted_ids, order = route
     n_pairs = sorted_ids.numel()
-    N, K = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
-    block_n = min(INTERPRETER_BLOCK_N, triton.next_power_of_2(N)) if interpreting() else \
-        (BLOCK_N if gated else DOWN_BLOCK_N)
-    mg = triton.next_power_of_2(n_pairs // slots)
-    return _experts_kernel[(triton.cdiv(N, block_n), n_pairs)](
-        inp, w, out, sorted_ids, order, n_pairs, DIV=slots if gated else 1, N=N, K=K, GATED=gated,
-        MAX_GROUP=mg, G2=min(2, mg), G4=min(4, mg), BLOCK_N=block_n,
-        BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), num_warps=NUM_WARPS)
+    block_n = INTERPRETER_BLOCK_N if interpreting() else (DOT_BLOCK_N if gated else DOT_DOWN_BLOCK_N)
+    block_n = min(block_n, max(16, triton.next_power_of_2(N)))  # tl.dot's tile sides are at least 16
+    return _dot_kernel[(triton.cdiv(N, block_n), n_pairs)](
+        inp, w, out, sorted_ids, order, n_pairs, DIV=slots if gated else 1, N=N, K=K, GATED=gated, G=G,
+        NP=triton.next_power_of_2(n_pairs), F32=interpreting() or w.dtype == torch.float32, BLOCK_N=block_n,
+        BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=DOT_WARPS, num_stages=DOT_STAGES)
+
+
+def _route_for(ids, pairs):
+    """The route a launch needs: none at B = 1, else the caller's or a fresh one."""
+    if ids.shape[0] == 1:
+        return None
+    return _route(ids) if pairs is None else pairs
 
 
 def _gate_up(x, w13, ids, route):
     h = torch.empty(*ids.shape, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _launch(x, w13, h, route, ids.shape[1], True)
+    _launch(x, w13, h, route, ids.shape[1], True, ids)
     return h
 
 
 def _down(h, w2, ids, route):
     y = torch.empty(*ids.shape, w2.shape[1], dtype=torch.float32, device=h.device)
-    _launch(h, w2, y, route, ids.shape[1], False)
+    _launch(h, w2, y, route, ids.shape[1], False, ids)
     return y
 
 
-def experts_gate_up(x, w13, ids):
-    """h [B, k, I] in x's dtype: silu(gate rows @ x[b]) * (up rows @ x[b]) of expert ids[b, s], fp32 inside."""
+def experts_gate_up(x, w13, ids, route=None):
+    """h [B, k, I] in x's dtype: silu(gate rows @ x[b]) * (up rows @ x[b]) of expert ids[b, s], fp32 inside; rows
+    of -1 ids unspecified. route: route(ids) if the caller has it (sort once for both calls), else made here."""
+    _check_gate_up(x, w13, ids)
+    _check_route(route, ids)
     if gate_up_reason(x, w13, ids):
         return _gate_up_torch(x, w13, ids)
-    return _gate_up(x, w13, ids, _route(ids))
+    return _gate_up(x, w13, ids, _route_for(ids, route))
 
 
-def experts_down(h, w2, ids):
-    """y [B, k, D] fp32: w2[ids[b, s]] @ h[b, s] with fp32 sums."""
+def experts_down(h, w2, ids, route=None):
+    """y [B, k, D] fp32: w2[ids[b, s]] @ h[b, s] with fp32 sums; 0.0 where ids[b, s] is -1."""
+    _check_down(h, w2, ids)
+    _check_route(route, ids)
     if down_reason(h, w2, ids):
         return _down_torch(h, w2, ids)
-    return _down(h, w2, ids, _route(ids))
+    return _down(h, w2, ids, _route_for(ids, route))
 
 
-def moe_experts(x, w13, w2, ids, weights):
-    """out [B, D] fp32: the routed experts' outputs weighted by weights[b, s] (fp32), summed over ascending s."""
+def moe_experts(x, w13, w2, ids, weights, route=None):
+    """out [B, D] fp32: the routed experts' outputs weighted by weights[b, s] (fp32), summed over ascending s;
+    slots of -1 ids add weights[b, s] * 0."""
+    _check_route(route, ids)
     if moe_reason(x, w13, w2, ids, weights):
         return moe_reference(x, w13, w2, ids, weights)
-    route = _route(ids)  # sorted once for both kernels
+    route = _route_for(ids, route)  # sorted once for both kernels
     y = _down(_gate_up(x, w13, ids, route), w2, ids, route)
     B, k, D = y.shape
     out = torch.empty(B, D, dtype=torch.float32, device=x.device)
@@ -307,5 +403,5 @@ def moe_experts(x, w13, w2, ids, weights):
     return out
 
 
-__all__ = ["MAX_B", "experts_gate_up", "experts_down", "moe_experts", "moe_reference", "moe_reason",
+__all__ = ["MAX_B", "route", "experts_gate_up", "experts_down", "moe_experts", "moe_reference", "moe_reason",
            "gate_up_reason", "down_reason"]

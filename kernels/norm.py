@@ -7,7 +7,10 @@ fp32 rounding, not to the bit. Eager torch spends about seven launches on one RM
 in a decode step of 27 layers that is ~600 launches this kernel takes down to ~80.
 
 - ``rms_norm(x, weight, eps)``: y = weight * norm(x)
-- ``add_rms_norm(x, delta, weight, eps)``: (h, y) with h = x + delta, y = weight * norm(h)
+- ``add_rms_norm(x, delta, weight, eps)``: (h, y) with h = x + delta, y = weight * norm(h); a delta in another
+  dtype (an fp32 MoE sum) is rounded to x's dtype first, as ``x + delta.to(x.dtype)``
+- ``moe_add_rms_norm(x, y, slot_weights, weight, eps)``: the same with delta = sum over slots s ascending of
+  slot_weights[b, s] * y[b, s] in fp32 (the routed experts' combine, fused: one launch instead of three)
 
 Inputs a kernel does not admit (see ``norm_reason``) take the torch path, with the same results.
 """
@@ -23,14 +26,22 @@ MAX_D = 16384  # one row per program, held whole in registers
 
 
 @triton.jit
-def _norm_kernel(x, delta, w, h_out, y_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+def _norm_kernel(x, delta, slot_w, w, h_out, y_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                 SLOTS: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     keep = cols < D
     v = tl.load(x + row * D + cols, mask=keep, other=0.0)
     if ADD:  # the residual sum, rounded to the model dtype as torch's add does, then stored
-        v = (v.to(tl.float32) + tl.load(delta + row * D + cols, mask=keep, other=0.0).to(tl.float32)).to(
-            h_out.dtype.element_ty)
+        if SLOTS == 0:
+            d = tl.load(delta + row * D + cols, mask=keep, other=0.0).to(tl.float32)
+        else:  # delta [B, SLOTS, D] fp32, weighted per slot and summed in ascending slot order
+            d = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in tl.static_range(SLOTS):
+                ws = tl.load(slot_w + row * SLOTS + s)
+                d += ws * tl.load(delta + (row * SLOTS + s) * D + cols, mask=keep, other=0.0)
+        d = d.to(h_out.dtype.element_ty).to(tl.float32)
+        v = (v.to(tl.float32) + d).to(h_out.dtype.element_ty)
         tl.store(h_out + row * D + cols, v, mask=keep)
     v = v.to(tl.float32)
     normed = v * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
@@ -58,11 +69,13 @@ def norm_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return next((c for c in checks if c), None)
 
 
-def _launch(x, delta, weight, eps, h_out, y_out):
+def _launch(x, delta, weight, eps, h_out, y_out, slot_w=None):
     """One launch; returns Triton's compiled kernel (None under the interpreter)."""
     D = x.shape[-1]
-    return _norm_kernel[(x.numel() // D,)](x, delta, weight, h_out, y_out, eps, D=D, BLOCK=triton.next_power_of_2(D),
-                                    ADD=delta is not None, num_warps=4 if D >= 1024 else 1)
+    slots = 0 if slot_w is None else slot_w.shape[-1]
+    return _norm_kernel[(x.numel() // D,)](x, delta, slot_w, weight, h_out, y_out, eps, D=D,
+                                           BLOCK=triton.next_power_of_2(D), ADD=delta is not None, SLOTS=slots,
+                                           num_warps=4 if D >= 1024 else 1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,12 +89,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     if delta.shape != x.shape:
         raise ValueError(f"x {tuple(x.shape)} and delta {tuple(delta.shape)} differ in shape")
-    if norm_reason(x, weight) or delta.dtype != x.dtype or not delta.is_contiguous():
-        h = x + delta
+    if norm_reason(x, weight) or dtype_reason("delta", delta.dtype) or device_reason(x, delta) \
+            or not delta.is_contiguous():
+        h = x + delta.to(x.dtype)
         return h, _torch_norm(h, weight, eps)
     h, y = torch.empty_like(x), torch.empty_like(x)
     _launch(x, delta, weight, eps, h, y)
     return h, y
 
 
-__all__ = ["rms_norm", "add_rms_norm", "norm_reason"]
+def moe_add_rms_norm(x: torch.Tensor, y: torch.Tensor, slot_weights: torch.Tensor, weight: torch.Tensor, eps: float):
+    """x [B, D], y [B, S, D] fp32 (kernels.moe's per-slot outputs), slot_weights [B, S] fp32 -> (h, norm(h)) with
+    h = x + (sum over s of slot_weights[b, s] * y[b, s]).to(x.dtype)."""
+    if y.dim() != 3 or x.dim() != 2 or y.shape[0] != x.shape[0] or y.shape[2] != x.shape[1] \
+            or tuple(slot_weights.shape) != tuple(y.shape[:2]):
+        raise ValueError(f"expected x [B, D], y [B, S, D] and slot weights [B, S], got {tuple(x.shape)}, "
+                         f"{tuple(y.shape)} and {tuple(slot_weights.shape)}")
+    if norm_reason(x, weight) or y.dtype != torch.float32 or slot_weights.dtype != torch.float32 \
+            or not (y.is_contiguous() and slot_weights.is_contiguous()) or device_reason(x, y, slot_weights):
+        delta = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for s in range(y.shape[1]):  # ascending slots
+            delta = delta + slot_weights[:, s, None] * y[:, s]
+        return add_rms_norm(x, delta.contiguous(), weight, eps)
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    _launch(x, y, weight, eps, h, out, slot_weights)
+    return h, out
+
+
+__all__ = ["rms_norm", "add_rms_norm", "moe_add_rms_norm", "norm_reason"]

@@ -2,7 +2,7 @@
 
 Launched as ``torchrun --nproc_per_node N tests/ep_worker.py SPEC.json``. Every rank runs every backend in
 lockstep and writes ``<out>/rank<R>.pt`` (torch.save of plain lists/dicts/tensors) for the test to assert on.
-SPEC keys: ckpt, packed_ckpt, odd_ckpt (expert count not divisible by the world size), prompts, n_new, batches,
+Each backend also decodes the prompts as one batch through the graph decode step. SPEC keys: ckpt, packed_ckpt, odd_ckpt (expert count not divisible by the world size), prompts, n_new, batches,
 out, and optionally device (default cpu; cuda runs NCCL plus a gloo group for host staging).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from engine import graph_decode
 from engine.checkpoint import load_model
 from engine.generate import generate
 from engine.generate import main as cli_main
@@ -57,6 +58,8 @@ def main(spec_path: str) -> None:
             for b in spec["batches"]:
                 r["gen"][f"{pi}-b{b}"] = generate(model, [prompt] * b, n_new).tokens
         r["mixed"] = generate(model, prompts, n_new).tokens  # different prompts in one batch
+        graph_decode.enable(model)  # the graph step's routing, stacked experts and combine (eager on a CPU)
+        r["graph"] = generate(model, prompts, n_new).tokens
         if backend == "host-staged":  # packed transformers-5 expert tensors, sliced per rank
             packed = load_model(spec["packed_ckpt"], device=ep.device, ep=ep)
             r["packed_logits"] = sequence_logits(packed, prompts[0], r["gen"]["0-b1"][0])

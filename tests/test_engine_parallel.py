@@ -141,6 +141,13 @@ def test_generation_matches_single_and_hf(run, backend):
         assert r["mixed"] == run["hf_tokens"]
 
 
+@pytest.mark.parametrize("backend", ["host-staged", "collective"])
+def test_graph_step_under_expert_parallelism_matches_hf(run, backend):
+    """Each rank stacks its own experts (the shared one on rank 0 only) and combines fp32 partials."""
+    for rank, res in enumerate(run["ranks"]):
+        assert res["backends"][backend]["graph"] == run["hf_tokens"], f"{backend} rank {rank}"
+
+
 def test_logits_host_staged_equals_collective_bitwise(run):
     """Both backends, both ranks: the same bits (an fp32 sum of two partials commutes). Against the single
     device engine: < 1e-5; in fact bitwise at the workers' thread count (OMP_NUM_THREADS=1), because with top-2
@@ -271,3 +278,36 @@ def test_world_size_one_is_single_device_bitwise(run):
     model = load_model(run["ckpt"], ep=ExpertParallel(0, 1, "collective", "cpu"))
     assert all(len(model.layers[i].mlp.experts) == 8 for i in MOE_LAYERS)
     assert torch.equal(single_logits({**run, "single": model}, 0), single_logits(run, 0))
+
+
+CAPTURED_COLLECTIVE = """
+import torch, torch.distributed as dist
+from engine.parallel import init_from_env
+ep = init_from_env("collective", "cuda")
+x = torch.full((4,), 2.0, device=ep.device)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    dist.all_reduce(x)  # the communicator's first use, outside the capture
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    dist.all_reduce(x)
+    x.mul_(0.5)
+graph.replay()
+torch.cuda.synchronize()
+assert x.tolist() == [float(ep.world_size ** 2)] * 4, x  # 2 -> 2W (eager) -> 2W*W -> W*W (replay)
+ep.before_close(graph.reset)
+ep.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+def test_a_graph_captured_collective_then_close_does_not_hang(tmp_path):
+    """An NCCL all_reduce captured in a CUDA graph and replayed; close() frees the graph first (its before_close
+    hook), then destroys the group, and the process exits (pytorch#115388: it hangs if the graph outlives it)."""
+    script = tmp_path / "captured.py"
+    script.write_text(CAPTURED_COLLECTIVE)
+    proc = torchrun(torch.cuda.device_count(), str(script), timeout=120)
+    assert proc.stdout.count("closed") == torch.cuda.device_count()

@@ -68,15 +68,49 @@ def test_experts_become_views_of_the_stacks(models):
     assert e1.down_proj.weight.data_ptr() == w2[1].data_ptr()
 
 
-def test_expert_parallel_models_are_refused(models):
-    class FakeEP:
-        pass
+def test_shared_experts_are_the_last_slices_of_the_stacks(models):
+    _, _, fast = models
+    layer = next(i for i, l in enumerate(fast.layers) if hasattr(l.mlp, "experts"))
+    w13, w2 = fast.graph_decode.stacks[layer]
+    sh, inter = fast.layers[layer].mlp.shared_experts, MICRO["moe_intermediate_size"]
+    assert w13.shape[0] == MICRO["n_routed_experts"] + MICRO["n_shared_experts"]
+    for j in range(MICRO["n_shared_experts"]):
+        rows = slice(j * inter, (j + 1) * inter)
+        e = MICRO["n_routed_experts"] + j
+        assert torch.equal(w13[e], torch.cat([sh.gate_proj.weight[rows], sh.up_proj.weight[rows]]))
+        assert torch.equal(w2[e], sh.down_proj.weight[:, rows])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_router_ids_map_to_this_ranks_stack_rows(rank):
+    """Expert parallelism over 2 ranks, 4 routed experts and 3 shared slices: a rank's own experts map to its
+    stack rows in order, shared slice j to the rank j mod 2, everything else to -1 (not computed here)."""
+    from engine.config import ModelArgs
+    from engine.model import MoE
+    from engine.parallel import ExpertParallel
+
+    ep = ExpertParallel(rank, 2, "collective")
+    moe = MoE(ModelArgs.from_hf({**MICRO, "n_shared_experts": 3}), ep)
+    table = graph_decode._remap(moe, 4, 3, ep).tolist()
+    want = [0, 1, -1, -1, 2, -1, 4] if rank == 0 else [-1, -1, 0, 1, -1, 3, -1]
+    assert table == want
+    assert graph_decode._remap(moe, 4, 3, None) is None
+
+
+def test_closing_the_expert_parallel_group_releases_the_graphs(models):
+    """Captured NCCL work must be freed before the communicator is destroyed (pytorch#115388): the step
+    registers its release with the group, which runs it first on close()."""
+    from engine.parallel import ExpertParallel
 
     _, plain, _ = models
-    plain.ep, saved = FakeEP(), plain.ep
+    ep, saved = ExpertParallel(0, 1, "collective"), plain.ep
+    plain.ep = ep
     try:
-        with pytest.raises(ValueError, match="runs on the single backend"):
-            graph_decode.enable(plain)
+        dec = graph_decode.GraphDecode(plain, projections="torch")
+        dec.cache(1, 8)
+        assert dec.caches
+        ep.close()
+        assert not dec.caches and ep._before_close == []
     finally:
         plain.ep = saved
 

@@ -1,9 +1,11 @@
-"""The routed-experts kernels (kernels/moe.py) against their torch reference on fresh random inputs, the
-batch-invariance contract (a row at batch 8 is bitwise the row at batch 1), the fallbacks and shape errors.
+"""The routed-experts kernels (kernels/moe.py) against torch references on fresh random inputs: both kernels (the
+one-row kernel at B = 1, the tensor-core one at B >= 2), identical rows bitwise identical within a call, groups
+larger than the tensor-core tile, ids of -1 (pairs computed on another device), the route, the fallbacks and
+shape errors.
 
 Without a GPU these run through the Triton interpreter (tests/conftest.py) on small, ragged shapes (one with
-K above BLOCK_K, so the K loop and its masked tail run); with one, at DeepSeek-V2-Lite's shape, plus CUDA-graph
-capture and replay.
+K above the K blocks, so the K loop and its masked tail run); with one, at DeepSeek-V2-Lite's shape, plus
+CUDA-graph capture and replay.
 """
 import pytest
 import torch
@@ -14,11 +16,11 @@ from kernels.bench import capture
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (D, I, E, k): DeepSeek-V2-Lite on a GPU. On the CPU ragged shapes: one K slice, and K above BLOCK_K in both
-# kernels (the K loop and its masked tail); the interpreter is slow, so the long one runs in one dtype only.
+# (D, I, E, k): DeepSeek-V2-Lite on a GPU. On the CPU ragged shapes: one K slice, and K above the K blocks in
+# both kernels (the K loop and its masked tail); the interpreter is slow, so the long one runs in one dtype only.
 FULL, SMALL, LONG = (2048, 1408, 64, 6), (96, 40, 8, 3), (530, 520, 4, 2)
 MATCH = [(FULL, dt, B) for dt in DTYPES for B in (1, 3, 8)] if CUDA else \
-    [(SMALL, dt, B) for dt in DTYPES for B in (1, 3, 8)] + [(LONG, torch.bfloat16, 8)]
+    [(SMALL, dt, B) for dt in DTYPES for B in (1, 3, 8)] + [(LONG, torch.bfloat16, B) for B in (1, 8)]
 ROWS = FULL if CUDA else SMALL
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # fp32 sums; h rounds once
 
@@ -46,6 +48,25 @@ def problem(B, D, I, E, k, dtype, gen, same_rows=False):
     return x, w13, w2, ids, weights
 
 
+def naive(x, w13, w2, ids, weights):
+    """An independent reference, pair by pair: (h, y, out) with h and y 0 for -1 pairs, out over the others."""
+    B, k = ids.shape
+    inter = w13.shape[1] // 2
+    h = torch.zeros(B, k, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(B, k, w2.shape[1], device=x.device)
+    out = torch.zeros(B, w2.shape[1], device=x.device)
+    for b in range(B):
+        for s in range(k):
+            e = int(ids[b, s])
+            if e < 0:
+                continue
+            gu = w13[e].float() @ x[b].float()
+            h[b, s] = (torch.nn.functional.silu(gu[:inter]) * gu[inter:]).to(x.dtype)
+            y[b, s] = w2[e].float() @ h[b, s].float()
+            out[b] += weights[b, s].float() * y[b, s]
+    return h, y, out
+
+
 @pytest.mark.parametrize("shape,dtype,B", MATCH, ids=lambda v: str(v).removeprefix("torch."))
 def test_kernels_match_reference(shape, dtype, B, gen):
     D, I, E, k = shape
@@ -66,35 +87,109 @@ def test_kernels_match_reference(shape, dtype, B, gen):
         assert torch.equal(out, moe.moe_experts(x, w13, w2, ids, weights))
 
 
-@pytest.mark.parametrize("same_rows", [True, False], ids=["shared-experts", "distinct-rows"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.bfloat16])
-def test_rows_equal_batch_one(same_rows, dtype, gen):
-    """Row b of a batch of 8 equals the same row alone, bitwise: how many tokens share an expert, and where the
-    row sits in its group, never changes its sums."""
+def alike_rows(case, gen, dtype):
+    """(x, w13, w2, ids, weights, classes): each class lists rows with the same x, ids and weights."""
     D, I, E, k = ROWS
-    x, w13, w2, ids, weights = problem(8, D, I, E, k, dtype, gen, same_rows)
-    h = moe.experts_gate_up(x, w13, ids)
-    y = moe.experts_down(h, w2, ids)
+    if case == "alike-8":  # the benchmark's batch: every row the same prompt
+        x, w13, w2, ids, weights = problem(8, D, I, E, k, dtype, gen, same_rows=True)
+        return x, w13, w2, ids, weights, [list(range(8))]
+    if case == "repeats-16":  # MAX_B rows, each choosing expert 1 twice: a group of 32 pairs, two G-tiles
+        x, w13, w2, ids, weights = problem(moe.MAX_B, D, I, E, k, dtype, gen, same_rows=True)
+        ids[:, 1] = ids[:, 0]
+        return x, w13, w2, ids, weights, [list(range(moe.MAX_B))]
+    # some rows alike, at different places of their groups, among distinct rows
+    x, w13, w2, ids, weights = problem(5, D, I, E, k, dtype, gen)
+    for t in (x, ids, weights):
+        t[2], t[4] = t[0], t[0]
+    return x, w13, w2, ids, weights, [[0, 2, 4]]
+
+
+@pytest.mark.parametrize("case", ["alike-8", "repeats-16", "some-alike-5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if CUDA else [torch.bfloat16])
+def test_identical_rows_are_bitwise_identical(case, dtype, gen):
+    """Rows of one call with the same input and experts give the same bits, whatever their place in a tile or
+    which tile of a large group they fall in (the decode pipeline's parity gate checks this); and are right."""
+    x, w13, w2, ids, weights, classes = alike_rows(case, gen, dtype)
+    route = moe.route(ids)
+    h = moe.experts_gate_up(x, w13, ids, route=route)
+    y = moe.experts_down(h, w2, ids, route=route)
     out = moe.moe_experts(x, w13, w2, ids, weights)
-    for b in range(1 if same_rows else 8):  # identical rows: one batch-1 call answers for all eight
-        one = slice(b, b + 1)
-        h1 = moe.experts_gate_up(x[one], w13, ids[one])
-        y1 = moe.experts_down(h1, w2, ids[one])
-        out1 = moe.moe_experts(x[one], w13, w2, ids[one], weights[one])
-        for r in range(8) if same_rows else [b]:
-            assert torch.equal(h[r], h1[0]) and torch.equal(y[r], y1[0]) and torch.equal(out[r], out1[0]), (b, r)
+    for rows in classes:
+        for r in rows[1:]:
+            assert torch.equal(h[r], h[rows[0]]) and torch.equal(y[r], y[rows[0]]), (case, r)
+            assert torch.equal(out[r], out[rows[0]]), (case, r)
+    assert rel_err(out, naive(x, w13, w2, ids, weights)[2]) < TOL[dtype]
 
 
-def test_repeated_experts_in_a_row_are_still_right(gen):
-    """ids should be distinct per row, but a row repeating an expert makes groups larger than the tile; they are
-    split, with the same sums."""
+def test_groups_larger_than_the_tile_are_right(gen):
+    """ids should be distinct per row, but a row repeating an expert, or MAX_B rows on one expert, make groups
+    larger than G: they are split into G-tiles. Every row chooses expert 1 twice, row 0 three times: 33 pairs."""
     D, I, E, k = SMALL
-    x, w13, w2, _, weights = problem(3, D, I, E, k, torch.float32, gen)
-    ids = torch.tensor([[1] * k, [1] * k, [2] + [1] * (k - 1)], device=DEV)
-    out = moe.moe_experts(x, w13, w2, ids, weights)
-    assert rel_err(out, moe.moe_reference(x, w13, w2, ids, weights)) < 1e-5
-    for b in range(3):
-        assert torch.equal(out[b], moe.moe_experts(x[b:b + 1], w13, w2, ids[b:b + 1], weights[b:b + 1])[0])
+    x, w13, w2, ids, weights = problem(moe.MAX_B, D, I, E, k, torch.float32, gen)
+    ids[:, 2] = torch.where(ids[:, 2] == 1, ids[:, 0], ids[:, 2])  # slot 2: another expert, but in row 0
+    ids[:, :2], ids[0, 2] = 1, 1
+    assert (ids == 1).sum() == 2 * moe.G + 1
+    _, y, out = naive(x, w13, w2, ids, weights)
+    assert rel_err(moe.experts_down(moe.experts_gate_up(x, w13, ids), w2, ids), y) < 1e-5
+    assert rel_err(moe.moe_experts(x, w13, w2, ids, weights), out) < 1e-5
+    one = moe.moe_experts(x[:1], w13, w2, ids[:1], weights[:1])  # B = 1: the one-row kernel
+    assert rel_err(one, out[:1]) < 1e-5
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+def test_pairs_of_minus_one_are_not_computed(B, gen):
+    """ids of -1 (computed on another device): y's rows are 0.0, out sums the other slots, valid h and y rows
+    are right, in the kernels and the torch path alike. The experts no valid pair chose (0 and E-1 among them:
+    where -1 would land clamped or wrapped) hold NaN: a -1 pair reading any weights would show."""
+    D, I, E, k = SMALL
+    x, w13, w2, ids, weights = problem(B, D, I, E, k, torch.bfloat16, gen)
+    ids = torch.randint(1, E - 1, (B, k), generator=gen, device=DEV)  # repeats are fine; 0 and E-1 unused
+    ids[torch.rand(B, k, generator=gen, device=DEV) < 0.4] = -1
+    ids[0, 0], ids[0, -1] = -1, 3  # at least one of each, in row 0 (never the all -1 row below)
+    if B > 1:
+        ids[B // 2] = -1  # a row computed entirely elsewhere
+    unused = torch.ones(E, dtype=torch.bool, device=DEV)
+    unused[ids[ids >= 0]] = False
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    here = ids >= 0
+    h_ref, y_ref, out_ref = naive(x, w13, w2, ids, weights)
+    route = moe.route(ids)  # None at B = 1
+
+    def check(h, y, out):  # bf16 h: one rounding may differ from naive's by an ulp
+        tol = TOL[torch.bfloat16]
+        assert rel_err(h[here], h_ref[here]) < tol
+        assert rel_err(y, y_ref) < tol and torch.equal(y[~here], torch.zeros_like(y[~here]))
+        assert rel_err(out, out_ref) < tol and torch.isfinite(out).all()
+        if B > 1:
+            assert torch.equal(out[B // 2], torch.zeros_like(out[B // 2]))
+
+    assert moe.moe_reason(x, w13, w2, ids, weights) is None
+    h = moe.experts_gate_up(x, w13, ids, route=route)
+    y = moe.experts_down(h, w2, ids, route=route)
+    check(h, y, moe.moe_experts(x, w13, w2, ids, weights))
+    assert rel_err(y, moe._down_torch(h, w2, ids)) < 1e-5  # the same h: only fp32 sum order differs
+    # the torch path (int32 ids are not admitted) and its pieces honour -1 alike
+    assert "int64" in moe.moe_reason(x, w13, w2, ids.int())
+    h32 = moe.experts_gate_up(x, w13, ids.int())
+    check(h32, moe.experts_down(h32, w2, ids.int()), moe.moe_experts(x, w13, w2, ids.int(), weights))
+    check(moe._gate_up_torch(x, w13, ids), y_ref, moe.moe_reference(x, w13, w2, ids, weights))
+
+
+def test_route_argument(gen):
+    """A route sorted once serves both calls and gives the same bits as sorting in each; a route of other ids'
+    shape is an error."""
+    D, I, E, k = SMALL
+    x, w13, w2, ids, weights = problem(3, D, I, E, k, torch.bfloat16, gen)
+    route = moe.route(ids)
+    h = moe.experts_gate_up(x, w13, ids, route=route)
+    assert torch.equal(h, moe.experts_gate_up(x, w13, ids))
+    assert torch.equal(moe.experts_down(h, w2, ids, route=route), moe.experts_down(h, w2, ids))
+    assert torch.equal(moe.moe_experts(x, w13, w2, ids, weights, route=route),
+                       moe.moe_experts(x, w13, w2, ids, weights))
+    with pytest.raises(ValueError, match="route"):
+        moe.experts_gate_up(x, w13, ids, route=moe.route(ids[:2]))
+    with pytest.raises(ValueError, match="route"):
+        moe.experts_down(h, w2, ids, route=route[:1])
 
 
 def test_inadmissible_inputs_fall_back(gen, monkeypatch):
@@ -156,17 +251,26 @@ def test_cuda_graph_replay_is_bitwise(B, gen):
         return moe.moe_experts(x, w13, w2, ids, weights)
 
     graph, out = capture(step)  # warmed up on a side stream, then captured
-    for same_rows in (True, False, False):  # fresh inputs, new ids, into the captured buffers
+    for same_rows, minus in ((True, False), (False, False), (False, True)):  # new inputs into the captured buffers
         for t, new in zip((x, w13, w2, ids, weights), problem(B, D, I, E, k, torch.bfloat16, gen, same_rows)):
             t.copy_(new)
+        if minus:  # some pairs computed elsewhere
+            ids[:, ::2] = -1
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+        assert rel_err(out, moe.moe_reference(x, w13, w2, ids, weights)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("n", [1, 6, 48, 96, 200])
-def test_route_is_torch_s_stable_sort(n):
-    """The one-program sort the kernels group pairs with: ties keep their order (a group's tokens ascend)."""
-    ids = torch.randint(0, 8 if n > 6 else 3, (n,), device=DEV)
-    got, want = moe._route(ids), torch.sort(ids, stable=True)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+@pytest.mark.parametrize("B,k", [(2, 1), (2, 3), (8, 6), (16, 6), (8, 25)])
+def test_route_is_torch_s_stable_sort(B, k, gen):
+    """The one-program sort the B >= 2 kernel groups pairs with: ties keep their order (a group's tokens
+    ascend), -1 first. int32 ids, which no kernel admits, go through torch.sort. At B = 1 there is none."""
+    ids = torch.randint(-1, 8 if B * k > 6 else 3, (B, k), generator=gen, device=DEV)
+    want = torch.sort(ids.reshape(-1), stable=True)
+    for got in (moe.route(ids), moe.route(ids.int())):
+        assert got[0].dtype == got[1].dtype == torch.int64
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert moe.route(ids[:1]) is None
+    with pytest.raises(ValueError):
+        moe.route(ids.reshape(-1))

@@ -47,3 +47,38 @@ def test_inadmissible_inputs_take_the_torch_path_and_shapes_are_errors():
         norm.rms_norm(torch.randn(2, 65, device=DEV), m.weight, m.eps)
     with pytest.raises(ValueError, match="differ in shape"):
         norm.add_rms_norm(torch.randn(2, 64, device=DEV), torch.randn(1, 64, device=DEV), m.weight, m.eps)
+
+
+# A bf16 sum of two roundings: on a GPU one unit in the last place (fp32 sum order); the interpreter truncates
+# its casts, so there a few units of the operands' scale (x is ~4).
+BF16_SUM = {"rtol": 2**-7, "atol": 0} if CUDA else {"rtol": 2**-6, "atol": 0.1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp32_delta_is_rounded_to_the_model_dtype_before_the_add(dtype):
+    D = WIDTHS[1]
+    m = module(D, dtype)
+    x, delta = (torch.randn(2, D, device=DEV) * 4).to(dtype), torch.randn(2, D, device=DEV) / 3
+    with torch.no_grad():
+        h, y = norm.add_rms_norm(x, delta, m.weight, m.eps)
+        want = x + delta.to(dtype)
+        torch.testing.assert_close(h, want, **BF16_SUM if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0})
+        torch.testing.assert_close(y, m(want), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_add_rms_norm_sums_weighted_slots_then_adds_and_normalises(dtype):
+    D, S = WIDTHS[1], 5
+    m = module(D, dtype)
+    x = (torch.randn(3, D, device=DEV) * 4).to(dtype)
+    y, w = torch.randn(3, S, D, device=DEV), torch.rand(3, S, device=DEV) + 0.1
+    delta = sum(w[:, s, None] * y[:, s] for s in range(S))  # the combine, written independently
+    with torch.no_grad():
+        h, out = norm.moe_add_rms_norm(x, y, w, m.weight, m.eps)
+        torch.testing.assert_close(h, x + delta.to(dtype), **BF16_SUM if dtype == torch.bfloat16 else {})
+        torch.testing.assert_close(out, m(h), rtol=TOL[dtype], atol=TOL[dtype])
+        # the torch path (a non-contiguous y) gives the same answer
+        h2, out2 = norm.moe_add_rms_norm(x, y.transpose(0, 1).contiguous().transpose(0, 1), w, m.weight, m.eps)
+        torch.testing.assert_close(h2, h, **BF16_SUM if dtype == torch.bfloat16 else {})
+    with pytest.raises(ValueError, match="slot weights"):
+        norm.moe_add_rms_norm(x, y, w[:, :2], m.weight, m.eps)

@@ -89,3 +89,37 @@ def test_ncu_and_nsys_csv_parsers():
             '"40.0","2000","1","2000.0","2000.0","2000","2000","0.0","argmax"\n')
     t = profile.table(rows=profile.parse_nsys_csv(nsys))
     assert [(k["kernel"], k["calls"], k["total_us"]) for k in t] == [("gemv", 3, 3.0), ("argmax", 1, 2.0)]
+
+
+def test_floor_counts_what_a_step_must_read(cpu_run):
+    ev, _ = cpu_run
+    fl = read_json(ev / "profile/capture.json")["floor"]
+    b = fl["bytes"]
+    assert b["total"] == b["weights"] + b["chosen_experts"] + b["embedding_rows"] + b["cache"] > 0
+    assert fl["floor_us"] == pytest.approx(b["total"] / (fl["copy_bandwidth_GBps"] * 1e9) * 1e6)
+    assert fl["copy_bandwidth_GBps"] > 0 and fl["kernel_us_per_step"] is None  # no GPU kernels on a CPU
+    text = "\n".join(summary.profile_section(ev))
+    assert f"a step must read {b['total'] / 1e6:.1f} MB" in text
+
+
+def test_step_bytes_against_a_loaded_model(tmp_path):
+    """Weights as the engine loads them (real tensors, router gates fp32), counted independently of the meta
+    model: everything but the routed experts and the embedding table, then top_k experts a MoE layer."""
+    from engine.checkpoint import load_model
+    from engine.model import MoE
+
+    cfg = tinyev.config()
+    ckpt, _ = tinyev.make(tmp_path, cfg)
+    model = load_model(ckpt, dtype=torch.bfloat16)
+    a = model.args
+    nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    moes = [l.mlp for l in model.layers if isinstance(l.mlp, MoE)]
+    assert moes, "the tiny campaign model has MoE layers"
+    routed = {id(p) for m in moes for p in m.experts.parameters()}
+    others = [p for n, p in model.named_parameters() if id(p) not in routed and n != "embed_tokens.weight"]
+    expert = nbytes(next(iter(moes[0].experts.values())).parameters())
+    got = profile.step_bytes(ckpt, torch.bfloat16, batch=3, positions=7)
+    assert got["weights"] == nbytes(others)
+    assert got["chosen_experts"] == len(moes) * a.num_experts_per_tok * expert
+    assert got["cache"] == a.num_hidden_layers * 3 * 7 * (a.kv_lora_rank + a.qk_rope_head_dim) * 2
+    assert got["embedding_rows"] == 3 * a.hidden_size * 2

@@ -2,9 +2,12 @@
 random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
 
     python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile]
+    torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
 Prints: tokens agreement, TPOT p50 per path and batch (CUDA events around each step), and with --profile
-the eager step's top kernels (torch.profiler). The pipeline's bench stage makes the figures of record.
+the eager step's top kernels (torch.profiler). With --ep: the graph step on rank 0's GPU alone, then over the
+ranks (each holding its shard of the same weights: every parameter is drawn from a generator seeded by its
+name), tokens compared. The pipeline's bench stage makes the figures of record.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -26,20 +30,20 @@ from engine.model import Transformer  # noqa: E402
 SHAPE = Path(__file__).resolve().parents[1] / "config/campaigns/dsv2-lite-graph.yaml"
 
 
-def build(layers: int) -> Transformer:
+def build(layers: int, ep=None) -> Transformer:
     import yaml
 
     cfg = dict(yaml.safe_load(SHAPE.read_text())["checkpoint"]["config"], num_hidden_layers=layers)
     args = ModelArgs.from_hf(cfg)
-    torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Transformer(args).to(torch.bfloat16)
+        model = Transformer(args, ep).to(torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))  # the same on every rank
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.normal_(0, 0.08 if p.dim() > 1 else 0.02)
+                p.normal_(0, 0.08 if p.dim() > 1 else 0.02, generator=g)
             if "gate.weight" in name:
                 p.data = p.data.float()
     return model.eval()
@@ -62,15 +66,57 @@ def tpot(model, batch: int, tokens: int, prompt: list[int]) -> tuple[float, list
     return statistics.median(steps), gen.tokens[0]
 
 
+def expert_parallel(a, prompt: list[int]) -> None:
+    """Single GPU then EP over the torchrun ranks, both through the graph step; rank 0 prints the table."""
+    import torch.distributed as dist
+
+    from engine.parallel import init_from_env
+
+    import faulthandler
+    import time
+
+    faulthandler.dump_traceback_later(200, exit=True)  # a hung collective shows where it hangs
+    ep = init_from_env("collective", "cuda")
+    say = lambda *m: print(f"[rank {ep.rank} {time.strftime('%X')}]", *m, flush=True)  # noqa: E731
+    rows, single = [], {}
+    if ep.rank == 0:
+        model = build(a.layers)
+        graph_decode.enable(model)
+        single = {b: tpot(model, b, a.tokens, prompt) for b in (1, 8)}
+        say("single GPU:", {b: round(t, 3) for b, (t, _) in single.items()})
+        del model
+        torch.cuda.empty_cache()
+    dist.barrier()
+    model = build(a.layers, ep)
+    graph_decode.enable(model)
+    say("EP model built")
+    for b in (1, 8):
+        t_ep, tok_ep = tpot(model, b, a.tokens, prompt)
+        say(f"EP batch {b}: {t_ep:.3f} ms")
+        if ep.rank == 0:
+            t1, tok1 = single[b]
+            same = next((i for i, (x, y) in enumerate(zip(tok1, tok_ep)) if x != y), None)
+            rows.append((b, t1, t_ep, t_ep / t1, "all" if same is None else f"first {same}"))
+    ep.close()
+    if rows:
+        print(f"\n{'batch':>5} {'1 GPU TPOT ms':>14} {f'EP{ep.world_size} TPOT ms':>14} {'ratio':>6}  tokens equal")
+        for b, t1, t2, r, same in rows:
+            print(f"{b:5d} {t1:14.3f} {t2:14.3f} {r:6.2f}  {same}")
+        print(json.dumps({"layers": a.layers, "world_size": ep.world_size, "rows": rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--projections", default="torch,triton", help="the dense projections of the graph step (torch first)")
+    ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     a = ap.parse_args()
-    model = build(a.layers)
     prompt = list(range(1000, 1012))
+    if a.ep:
+        return expert_parallel(a, prompt)
+    model = build(a.layers)
     rows = []
     torch_path = {}
     for projections in a.projections.split(","):
@@ -88,18 +134,19 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        cache = dec.cache(1, 64)
-        with torch.inference_mode():
-            model(torch.tensor([prompt], device="cuda"), cache)
-            tok = torch.tensor([5], device="cuda")
-            dec._step(cache, tok)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for pb in (1, 8):
+            cache = dec.cache(pb, 64)
+            with torch.inference_mode():
+                model(torch.tensor([prompt] * pb, device="cuda"), cache)
+                tok = torch.tensor([5] * pb, device="cuda")
                 dec._step(cache, tok)
                 torch.cuda.synchronize()
-        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        print(f"eager step: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    dec._step(cache, tok)
+                    torch.cuda.synchronize()
+            events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(f"\n{'projections':>11} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
     for proj, batch, t0, t1, same in rows:
         print(f"{proj:>11} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")

@@ -209,6 +209,18 @@ def quality_section(root: Path) -> list[str]:
     return out + [""]
 
 
+def floor_lines(fl: dict | None) -> list[str]:
+    """The bytes a decode step must move against what its kernels took (profile/capture.json `floor`)."""
+    if not fl:
+        return []
+    b = fl["bytes"]
+    took = (f"; the captured steps' kernels took {fl['kernel_us_per_step']:.0f} µs a step, "
+            f"{100 * fl['floor_fraction']:.0f}% of it the floor" if fl.get("floor_fraction") else "")
+    return [f"Floor: a step must read {b['total'] / 1e6:.1f} MB (weights {b['weights'] / 1e6:.1f}, chosen routed "
+            f"experts {b['chosen_experts'] / 1e6:.1f}, cache {b['cache'] / 1e6:.2f}); at the measured copy bandwidth "
+            f"of {fl['copy_bandwidth_GBps']:.0f} GB/s that is {fl['floor_us']:.0f} µs{took}.", ""]
+
+
 def profile_section(root: Path) -> list[str]:
     """The profile capture (profile/capture.json): which tool ran, why others did not, the top kernels."""
     if not (root / "profile/capture.json").is_file():
@@ -226,6 +238,7 @@ def profile_section(root: Path) -> list[str]:
         f"{cap['kernel_count']} distinct kernels, {cap['launches']} launches; share = {cap['share_basis']}"
         + (f"; median decode step {med / 1e3:.2f} ms (wall, under the tool)" if med else "") + ".",
         "",
+        *floor_lines(cap.get("floor")),
         markdown(["kernel", "calls", "total µs", "mean µs", "share"], [
             [f"`{k['kernel'][:80]}`", k["calls"], f"{k['total_us']:.1f}", f"{k['mean_us']:.2f}", f"{k['share_pct']:.1f}%"]
             for k in cap["top"]]),

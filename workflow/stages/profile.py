@@ -7,7 +7,11 @@ same names as torch.profiler record_function ranges), after one untimed warm-up 
 profiler API range), else `nsys` (same range), else torch.profiler (CPU ops on the CPU, CUDA kernels on a
 GPU) with a Chrome trace. The evidence records which tool ran and why each other did not.
 
-Outputs: profile/capture.json (tool, reasons, steps, step times, top kernels), profile/kernels.csv (name,
+The floor: the bytes a decode step must read (every weight once, but only the batch's embedding rows and the k
+routed experts a layer that identical rows choose, plus the latent cache), over the copy bandwidth measured on
+the same device, against the captured steps' kernel time.
+
+Outputs: profile/capture.json (tool, reasons, steps, step times, floor, top kernels), profile/kernels.csv (name,
 calls, total and mean µs, share of the captured decode steps), plots/profile.png, profile/trace.json.gz
 (torch.profiler only), the SUMMARY section. Raw ncu/nsys reports stay out of the evidence (they carry host
 names); the kernel table is what they measured.
@@ -304,6 +308,70 @@ def capture_torch(ckpt: Path, evidence: Path, tmp: Path, cuda: bool) -> tuple[di
             "time_metric": "self CPU time" if not cuda else "CUPTI kernel duration"}, data
 
 
+# --- the floor ---------------------------------------------------------------------------------
+
+def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int) -> dict:
+    """The least a decode step of `batch` identical rows reads, by part, from the checkpoint's config alone (a
+    model on the meta device holds no memory). Router gates are fp32, as the engine keeps them."""
+    from engine.config import ModelArgs
+    from engine.model import MoE, Transformer
+
+    args = ModelArgs.load(str(ckpt))
+    with torch.device("meta"):
+        model = Transformer(args)
+    size = lambda name, p: p.numel() * (4 if name.endswith(".gate.weight") else dtype.itemsize)  # noqa: E731
+    params = dict(model.named_parameters())  # a tied lm_head is the embedding table: listed once
+    routed = sum(size(n, p) for n, p in params.items() if ".experts." in n)
+    experts = [l.mlp for l in model.layers if isinstance(l.mlp, MoE)]
+    chosen = sum(m.top_k * sum(size(n, p) for n, p in next(iter(m.experts.values())).named_parameters())
+                 for m in experts)
+    table = 0 if args.tie_word_embeddings else size("embed_tokens.weight", params["embed_tokens.weight"])
+    rows = batch * args.hidden_size * dtype.itemsize
+    cache = args.num_hidden_layers * batch * positions * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype.itemsize
+    weights = sum(size(n, p) for n, p in params.items()) - routed - table
+    return {"weights": weights, "chosen_experts": chosen, "embedding_rows": rows, "cache": cache,
+            "total": weights + chosen + rows + cache}
+
+
+def copy_bandwidth(device: str, mib: int = 512) -> float:
+    """Bytes per second of a device-to-device copy (read plus write), the median of 10 after a warm-up."""
+    n = (mib << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            t = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t = time.perf_counter() - t0
+        if i >= 3:
+            times.append(t)
+    return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
+
+
+def floor(ckpt: Path, config: dict, device: str, prompt_tokens: int, kernel_us_per_step: float | None) -> dict:
+    from workflow.checkpoints import DTYPES
+
+    steps = config["nsight"]["steps"]
+    parts = step_bytes(ckpt, DTYPES[config["dtype"]], config["nsight"]["batch"], prompt_tokens + (steps + 1) // 2)
+    bw = copy_bandwidth(device, 512 if device.startswith("cuda") else 64)
+    out = {"bytes": parts, "copy_bandwidth_GBps": bw / 1e9, "floor_us": parts["total"] / bw * 1e6,
+           "kernel_us_per_step": kernel_us_per_step,
+           "basis": "every weight read once, the batch's embedding rows, top_k routed experts a MoE layer (identical "
+                    "rows route alike) and the latent cache at the captured steps' middle position, over the "
+                    "measured device-to-device copy bandwidth"}
+    if kernel_us_per_step:
+        out["floor_fraction"] = out["floor_us"] / kernel_us_per_step
+    return out
+
+
 # --- plot, stage -------------------------------------------------------------------------------
 
 def short(name: str, n: int = 60) -> str:
@@ -372,6 +440,8 @@ def run(ckpt: Path, evidence: Path) -> dict:
                    nvtx_ranges=["prefill"] + [f"decode_step_{i}" for i in range(cfg["steps"])],
                    versions={"torch": torch.__version__})
         kernels = cap.pop("kernels")
+        per_step = sum(k["total_us"] for k in kernels) / cfg["steps"] if cuda else None  # GPU time, every tool
+        cap["floor"] = floor(ckpt, config, device, cap.get("prompt_tokens", 0), per_step)
         cap["top"] = kernels[: cfg["top"]]
         cap["kernel_count"] = len(kernels)
         st.add_file(write_text(evidence / "profile/kernels.csv", ",".join(CSV_HEADER) + "\n" + "".join(
@@ -388,6 +458,9 @@ def run(ckpt: Path, evidence: Path) -> dict:
             st.metrics["step_us_median"] = sorted(cap["step_us"])[len(cap["step_us"]) // 2]
         if kernels:
             st.metrics["top_kernel_share_pct"] = kernels[0]["share_pct"]
+        st.metrics["floor_us"] = cap["floor"]["floor_us"]
+        if "floor_fraction" in cap["floor"]:
+            st.metrics["floor_fraction"] = cap["floor"]["floor_fraction"]
         print(f"[profile] {tool}: {len(kernels)} kernels, {cap['launches']} launches; top: "
               + ", ".join(f"{short(k['kernel'], 40)} {k['share_pct']:.1f}%" for k in kernels[:3]), flush=True)
     return cap

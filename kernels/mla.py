@@ -1,0 +1,329 @@
+"""Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: two launches a layer, for CUDA graphs.
+
+B rows, H heads, each query head q [nope + Dr] (its last Dr values the rope part), a latent cache of R
+values (normalised c_kv) and Dr values (roped k_pe) per position, kv_b_proj's weight viewed as
+w_kv [H, nope + v, R] (W_UK = w_kv[:, :nope], W_UV = w_kv[:, nope:]).
+
+- ``mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)``: row b's
+  c_kv = kv_a[b, :R] goes through RMSNorm into cache_kv[layer, b, pos[b]], its k_pe = kv_a[b, R:] through
+  rope into cache_pe[layer, b, pos[b]], and q's rope part is rotated in place. RMSNorm as the engine's: fp32
+  mean of squares and rsqrt, the normalised value rounded to the model dtype, times the weight, rounded again.
+  Rope as the engine's ``apply_rope`` with freqs = polar(1, pos * inv_freq) * scaling: adjacent pairs
+  (x[2i], x[2i+1]) multiplied, in fp32, by the complex (cos, sin)(pos * inv_freq[i]) * scaling, rounded once.
+  Triton lowers tl.cos and tl.sin to libdevice's precise __nv_cosf and __nv_sinf (as torch's), not to the
+  approximate instructions: angles reach thousands of radians.
+- ``mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)`` -> out [B, H*v], for each (b, h) over the
+  positions 0..pos[b] of cache row b:  q_lat = q_nope @ W_UK[h];  s[l] = (q_lat . kv[l] + q_pe . pe[l]) * scale;
+  p = softmax(s);  o_lat = sum_l p[l] kv[l];  out[b, h*v:(h+1)*v] = W_UV[h] @ o_lat. Everything in fp32 (the
+  torch einsum path rounds q_lat, p and o_lat to the model dtype between einsums), rounded once at the end.
+  Positions past pos[b] are never loaded, so stale (even non-finite) values there cannot reach the result.
+
+Cache row b belongs to batch row b, and pos[b] (cache.lengths[b] before the step) must lie in [0, L): the
+kernels cannot check that without a host synchronisation; the cache write skips a position outside it.
+
+Launches: the cache write is one program per row (R + Dr + H*Dr values); the attention one program per (row,
+head), which streams that head's 256 KB of w_kv and the row's live cache once, with an online softmax over
+BLOCK_L positions at a time. The latent cache is shared by all heads (MQA in the latent space), so the heads of
+a row reread it, from the L2. At batch 1 only H programs run and the per-SM bandwidth bounds the weight reads:
+every loop is a ``tl.range`` with ``num_stages``, which makes Triton pipeline its loads through shared memory
+(cp.async) and keep more bytes in flight. Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16
+(Triton 3.6): 185 registers, no spills, 72 KB of shared memory (BLOCK_L 32 took 255 registers). Block sizes,
+warps and stages are otherwise untuned. Nothing waits on the host and no shape depends on the data: both calls
+can be captured in a CUDA graph and replayed with new positions.
+
+Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the same
+maths; wrong shapes raise ValueError.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._admit import device_reason, dtype_reason, interpreting
+
+# Limits of what was compiled for sm_90 and fits (no spills; shared memory 135 KB in fp32, 72 KB in bf16):
+MAX_R = 512  # the latent (kv_lora_rank) is held whole: BLOCK_L x R and BLOCK_N x R tiles
+MAX_DR = 256  # rope dims, held whole
+MAX_HEAD = 1024  # nope and v_head_dim: looped over in BLOCK_N slices
+MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at once (H * Dr/2)
+BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
+BLOCK_N = 32  # weight rows per load (W_UK rows of nope, W_UV rows of v)
+NUM_WARPS = 8
+W_STAGES = 3  # pipeline stages (cp.async) of the weight loops and of the position loop
+L_STAGES = 3
+WRITE_WARPS = 4
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["layer", "rows"])
+def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scaling, kva_stride, layer, rows,
+                        H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program b: row b's cache slot at pos[b], and its query heads' rope parts in place."""
+    b = tl.program_id(0)
+    p = tl.load(pos + b)
+    keep = (p >= 0) & (p < L)  # a position outside the cache is skipped, never written out of bounds
+    slot = ((layer * rows + b).to(tl.int64) * L + p.to(tl.int64))
+    src = kv_a + b.to(tl.int64) * kva_stride
+    # RMSNorm of c_kv, rounded as the engine's RMSNorm rounds
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    c = tl.load(src + r, mask=rm, other=0.0).to(tl.float32)
+    normed = (c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)).to(kv_a.dtype.element_ty).to(tl.float32)
+    y = tl.load(w + r, mask=rm, other=0.0).to(tl.float32) * normed
+    tl.store(cache_kv + slot * R + r, y.to(cache_kv.dtype.element_ty), mask=rm & keep)
+    # rope: pair i of x is rotated by the complex (fr, fi), freqs as torch.polar(1, angle) * scaling makes them
+    i = tl.arange(0, BLOCK_P)
+    im = i < DR // 2
+    angle = p.to(tl.float32) * tl.load(inv_freq + i, mask=im, other=0.0)
+    fr = tl.cos(angle) * scaling
+    fi = tl.sin(angle) * scaling
+    ke = tl.load(src + R + 2 * i, mask=im, other=0.0).to(tl.float32)
+    ko = tl.load(src + R + 2 * i + 1, mask=im, other=0.0).to(tl.float32)
+    pe = cache_pe + slot * DR + 2 * i
+    tl.store(pe, (ke * fr - ko * fi).to(cache_pe.dtype.element_ty), mask=im & keep)
+    tl.store(pe + 1, (ke * fi + ko * fr).to(cache_pe.dtype.element_ty), mask=im & keep)
+    # every head's q_pe, in place
+    h = tl.arange(0, BLOCK_H)
+    qm = (h < H)[:, None] & im[None, :]
+    qp = q + b.to(tl.int64) * (H * (NOPE + DR)) + h[:, None] * (NOPE + DR) + NOPE + 2 * i[None, :]
+    qe = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
+    qo = tl.load(qp + 1, mask=qm, other=0.0).to(tl.float32)
+    tl.store(qp, (qe * fr[None, :] - qo * fi[None, :]).to(q.dtype.element_ty), mask=qm)
+    tl.store(qp + 1, (qe * fi[None, :] + qo * fr[None, :]).to(q.dtype.element_ty), mask=qm)
+
+
+@triton.jit(do_not_specialize=["layer", "rows"])
+def _attention_kernel(q, w_kv, cache_kv, cache_pe, pos, out, scale, layer, rows,
+                      H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                      L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_L: tl.constexpr, W_STAGES: tl.constexpr, L_STAGES: tl.constexpr,
+                      STATIC_BOUND: tl.constexpr):
+    """Program (b, h): one head of one row, fp32 throughout."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
+    q_bh = q + (b * H + h).to(tl.int64) * (NOPE + DR)
+    # q_lat = q_nope @ W_UK[h]
+    q_lat = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for n0 in tl.range(0, NOPE, BLOCK_N, num_stages=W_STAGES):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nm = n < NOPE
+        qn = tl.load(q_bh + n, mask=nm, other=0.0).to(tl.float32)
+        wt = tl.load(w_h + n[:, None] * R + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+        q_lat += tl.sum(wt * qn[:, None], axis=0)
+    d = tl.arange(0, BLOCK_DR)
+    dm = d < DR
+    q_pe = tl.load(q_bh + NOPE + d, mask=dm, other=0.0).to(tl.float32)
+    # online softmax over positions 0..pos[b]
+    n_live = tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L)
+    row = (layer * rows + b).to(tl.int64) * L
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], dtype=tl.float32)
+    o_lat = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # The interpreter cannot take a loop bound loaded from memory (its scalars are 1-element arrays, which
+    # numpy refuses as an index): there the loop runs to L, and the tiles past n_live, fully masked, change
+    # nothing (their scores are -inf and position 0, always live, comes first).
+    for l0 in tl.range(0, L if STATIC_BOUND else n_live, BLOCK_L, num_stages=L_STAGES):
+        lpos = l0 + tl.arange(0, BLOCK_L)
+        lm = lpos < n_live
+        kv = tl.load(cache_kv + (row + lpos)[:, None] * R + r[None, :], mask=lm[:, None] & rm[None, :],
+                     other=0.0).to(tl.float32)
+        pe = tl.load(cache_pe + (row + lpos)[:, None] * DR + d[None, :], mask=lm[:, None] & dm[None, :],
+                     other=0.0).to(tl.float32)
+        s = (tl.sum(kv * q_lat[None, :], axis=1) + tl.sum(pe * q_pe[None, :], axis=1)) * scale
+        s = tl.where(lm, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s - m_new)
+        l_i = l_i * alpha + tl.sum(pr, axis=0)
+        o_lat = o_lat * alpha + tl.sum(pr[:, None] * kv, axis=0)
+        m_i = m_new
+    o_lat = o_lat / l_i
+    # out = W_UV[h] @ o_lat
+    dst = out + (b * H + h).to(tl.int64) * V
+    for v0 in tl.range(0, V, BLOCK_N, num_stages=W_STAGES):
+        v = v0 + tl.arange(0, BLOCK_N)
+        vm = v < V
+        wt = tl.load(w_h + (NOPE + v)[:, None] * R + r[None, :], mask=vm[:, None] & rm[None, :],
+                     other=0.0).to(tl.float32)
+        tl.store(dst + v, tl.sum(wt * o_lat[None, :], axis=1).to(out.dtype.element_ty), mask=vm)
+
+
+# ---- torch path: the reference and the fallback -------------------------------------------------------------
+
+def _rope_torch(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """As the engine's apply_rope: adjacent pairs of x times complex freqs, in fp32, rounded to x's dtype."""
+    xc = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+
+
+def _cache_write_torch(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer):
+    B, R = q.shape[0], cache_kv.shape[-1]
+    angle = pos[:, None].float() * inv_freq.float()
+    freqs = torch.polar(torch.ones_like(angle), angle) * scaling
+    rows = torch.arange(B, device=pos.device)
+    c = kv_a[:, :R].float()
+    y = norm_weight * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)).to(kv_a.dtype)
+    cache_kv[layer, rows, pos] = y.to(cache_kv.dtype)
+    cache_pe[layer, rows, pos] = _rope_torch(kv_a[:, R:], freqs).to(cache_pe.dtype)
+    nope = q.shape[2] - cache_pe.shape[-1]
+    q[..., nope:] = _rope_torch(q[..., nope:], freqs[:, None])
+
+
+def mla_reference(q, w_kv, cache_kv, cache_pe, layer: int, pos, scale: float) -> torch.Tensor:
+    """The torch path of mla_attention (same maths, fp32, over the whole cache with a position mask)."""
+    _check_attention(q, w_kv, cache_kv, cache_pe, layer, pos)
+    B, H, _ = q.shape
+    L, Dr = cache_kv.shape[2], cache_pe.shape[-1]
+    nope = q.shape[2] - Dr
+    w = w_kv.float()
+    live = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [B, L]
+    # stale positions are zeroed, not only masked: a non-finite one would turn 0 * inf into NaN
+    kv = torch.where(live[..., None], cache_kv[layer, :B].float(), 0.0)
+    pe = torch.where(live[..., None], cache_pe[layer, :B].float(), 0.0)
+    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :nope].float(), w[:, :nope])
+    s = (torch.einsum("bhr,blr->bhl", q_lat, kv) + torch.einsum("bhd,bld->bhl", q[..., nope:].float(), pe)) * scale
+    p = s.masked_fill(~live[:, None], float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhr,hvr->bhv", torch.einsum("bhl,blr->bhr", p, kv), w[:, nope:])
+    return out.reshape(B, -1).to(q.dtype)
+
+
+# ---- shapes (errors) and admission (fallbacks) --------------------------------------------------------------
+
+def _check_cache(cache_kv, cache_pe, layer, pos, B):
+    if cache_kv.dim() != 4 or cache_pe.dim() != 4 or cache_kv.shape[:3] != cache_pe.shape[:3]:
+        raise ValueError(f"expected cache_kv [layers, rows, L, R] and cache_pe [layers, rows, L, Dr], got "
+                         f"{tuple(cache_kv.shape)} and {tuple(cache_pe.shape)}")
+    if not 0 <= layer < cache_kv.shape[0]:
+        raise ValueError(f"layer {layer} outside the cache's {cache_kv.shape[0]} layers")
+    if B > cache_kv.shape[1]:
+        raise ValueError(f"{B} rows but the cache holds {cache_kv.shape[1]}")
+    if pos.dim() != 1 or pos.shape[0] != B or pos.dtype.is_floating_point or pos.dtype.is_complex \
+            or pos.dtype == torch.bool:
+        raise ValueError(f"expected integer pos [B={B}], got {tuple(pos.shape)} {pos.dtype}")
+
+
+def _check_cache_write(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer):
+    if q.dim() != 3 or cache_pe.dim() != 4 or q.shape[2] < cache_pe.shape[-1] or cache_pe.shape[-1] % 2:
+        raise ValueError(f"expected q [B, H, nope + Dr] and cache_pe [layers, rows, L, Dr] with Dr even, got "
+                         f"{tuple(q.shape)} and {tuple(cache_pe.shape)}")
+    _check_cache(cache_kv, cache_pe, layer, pos, q.shape[0])
+    R, Dr = cache_kv.shape[-1], cache_pe.shape[-1]
+    if kv_a.dim() != 2 or tuple(kv_a.shape) != (q.shape[0], R + Dr):
+        raise ValueError(f"expected kv_a [B, R + Dr] = {(q.shape[0], R + Dr)}, got {tuple(kv_a.shape)}")
+    if tuple(norm_weight.shape) != (R,) or tuple(inv_freq.shape) != (Dr // 2,):
+        raise ValueError(f"expected norm_weight [{R}] and inv_freq [{Dr // 2}], got {tuple(norm_weight.shape)} "
+                         f"and {tuple(inv_freq.shape)}")
+
+
+def _check_attention(q, w_kv, cache_kv, cache_pe, layer, pos):
+    if q.dim() != 3 or cache_pe.dim() != 4 or q.shape[2] <= cache_pe.shape[-1]:
+        raise ValueError(f"expected q [B, H, nope + Dr] with nope > 0 and cache_pe [layers, rows, L, Dr], got "
+                         f"{tuple(q.shape)} and {tuple(cache_pe.shape)}")
+    _check_cache(cache_kv, cache_pe, layer, pos, q.shape[0])
+    R, Dr = cache_kv.shape[-1], cache_pe.shape[-1]
+    if w_kv.dim() != 3 or w_kv.shape[0] != q.shape[1] or w_kv.shape[2] != R or w_kv.shape[1] <= q.shape[2] - Dr:
+        raise ValueError(f"expected w_kv [H={q.shape[1]}, nope + v, R={R}] with v > 0, got {tuple(w_kv.shape)}")
+
+
+def _common_reason(tensors: dict, pos, cache_kv, cache_pe) -> list:
+    checks = [device_reason(pos, *tensors.values())]
+    checks += [dtype_reason(name, t.dtype) for name, t in tensors.items()]
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) > 1:
+        checks.append(f"dtypes differ: {sorted(str(d) for d in dtypes)}")
+    if pos.dtype not in (torch.int32, torch.int64):
+        checks.append(f"pos dtype {pos.dtype} is not int32 or int64")
+    if not (pos.is_contiguous() and cache_kv.is_contiguous() and cache_pe.is_contiguous()):
+        checks.append("pos and the caches must be contiguous")
+    R, Dr = cache_kv.shape[-1], cache_pe.shape[-1]
+    if not (1 <= R <= MAX_R and 2 <= Dr <= MAX_DR):
+        checks.append(f"R={R} outside 1..{MAX_R} or Dr={Dr} outside 2..{MAX_DR}")
+    if pos.shape[0] == 0:
+        checks.append("no rows")
+    return checks
+
+
+def cache_write_reason(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer: int = 0) -> str | None:
+    """Admission predicate of mla_cache_write: None admits, else why it takes the torch path."""
+    _check_cache_write(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer)
+    tensors = dict(q=q, kv_a=kv_a, norm_weight=norm_weight, cache_kv=cache_kv, cache_pe=cache_pe)
+    checks = _common_reason(tensors, pos, cache_kv, cache_pe) + [device_reason(q, inv_freq)]
+    if inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous():
+        checks.append(f"inv_freq must be contiguous float32, got {inv_freq.dtype}")
+    if not q.is_contiguous():
+        checks.append("q must be contiguous (its rope part is rotated in place)")
+    if kv_a.stride(1) != 1:
+        checks.append("kv_a's rows must be contiguous")
+    if not 1 <= q.shape[1] * (cache_pe.shape[-1] // 2) <= MAX_Q_PAIRS:
+        checks.append(f"H * Dr/2 = {q.shape[1] * (cache_pe.shape[-1] // 2)} rope pairs outside 1..{MAX_Q_PAIRS}")
+    return next((c for c in checks if c), None)
+
+
+def mla_reason(q, w_kv, cache_kv, cache_pe, layer: int, pos) -> str | None:
+    """Admission predicate of mla_attention: None admits, else why it takes the torch path."""
+    _check_attention(q, w_kv, cache_kv, cache_pe, layer, pos)
+    tensors = dict(q=q, w_kv=w_kv, cache_kv=cache_kv, cache_pe=cache_pe)
+    checks = _common_reason(tensors, pos, cache_kv, cache_pe)
+    if not (q.is_contiguous() and w_kv.is_contiguous()):
+        checks.append("q and w_kv must be contiguous")
+    nope, v = q.shape[2] - cache_pe.shape[-1], w_kv.shape[1] - (q.shape[2] - cache_pe.shape[-1])
+    if nope > MAX_HEAD or v > MAX_HEAD:
+        checks.append(f"nope={nope} or v={v} above {MAX_HEAD}")
+    return next((c for c in checks if c), None)
+
+
+# ---- launches -----------------------------------------------------------------------------------------------
+
+def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer):
+    """One launch; returns Triton's compiled kernel (None under the interpreter)."""
+    B, H, hd = q.shape
+    layers, rows, L, R = cache_kv.shape
+    Dr = cache_pe.shape[-1]
+    return _cache_write_kernel[(B,)](
+        q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, float(eps), float(scaling), kv_a.stride(0),
+        layer, rows, H=H, NOPE=hd - Dr, DR=Dr, R=R, L=L, BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_P=triton.next_power_of_2(Dr // 2), BLOCK_H=triton.next_power_of_2(H), num_warps=WRITE_WARPS)
+
+
+def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
+    """One launch; returns Triton's compiled kernel (None under the interpreter)."""
+    B, H, hd = q.shape
+    layers, rows, L, R = cache_kv.shape
+    Dr = cache_pe.shape[-1]
+    nope = hd - Dr
+    V = w_kv.shape[1] - nope
+    return _attention_kernel[(B, H)](
+        q, w_kv, cache_kv, cache_pe, pos, out, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, V=V, L=L,
+        BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=triton.next_power_of_2(Dr),
+        BLOCK_N=min(BLOCK_N, triton.next_power_of_2(max(nope, V))), BLOCK_L=BLOCK_L, W_STAGES=W_STAGES,
+        L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS)
+
+
+def mla_cache_write(q, kv_a, norm_weight, eps: float, inv_freq, scaling: float, pos, cache_kv, cache_pe,
+                    layer: int) -> None:
+    """cache_kv[layer, b, pos[b]] = RMSNorm(kv_a[b, :R]), cache_pe[layer, b, pos[b]] = rope(kv_a[b, R:]), and
+    q[b, :, nope:] rotated in place, for every row b of q [B, H, nope + Dr]."""
+    if cache_write_reason(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer):
+        _cache_write_torch(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)
+        return
+    _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)
+
+
+def mla_attention(q, w_kv, cache_kv, cache_pe, layer: int, pos, scale: float) -> torch.Tensor:
+    """out [B, H*v] in q's dtype: latent attention of q [B, H, nope + Dr] (rope part already rotated) over
+    positions 0..pos[b] of cache row b, fp32 inside."""
+    if mla_reason(q, w_kv, cache_kv, cache_pe, layer, pos):
+        return mla_reference(q, w_kv, cache_kv, cache_pe, layer, pos, scale)
+    B, H = q.shape[:2]
+    out = torch.empty(B, H * (w_kv.shape[1] - q.shape[2] + cache_pe.shape[-1]), dtype=q.dtype, device=q.device)
+    _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out)
+    return out
+
+
+__all__ = ["mla_cache_write", "mla_attention", "mla_reference", "cache_write_reason", "mla_reason"]

@@ -1,0 +1,189 @@
+"""route: the MoE router of the decode step (gate logits, softmax, top-k, weights, shared slots) in two launches.
+
+The maths of the engine's ``MoE.route``: logits = x.float() @ gate_weight.T in
+fp32, scores = softmax(logits) in fp32, the top_k largest scores; weights = score / (sum of the k scores +
+1e-20) when norm_topk_prob and top_k > 1, else score * scaling. Eager torch spends about eight launches on
+it (cast, linear, softmax, topk, scaling, the cat of the shared slots), ~4 µs of top-k alone a layer.
+
+Returned per row b, in ``top_k + shared`` slots:
+
+- slots 0..top_k-1: the chosen experts in descending score order, ties to the lowest expert index (the order
+  a stable descending sort gives, so a row's slots never depend on scheduling);
+- slot top_k + j: expert E + j with weight 1.0, the shared experts run by the MoE kernel as extra experts;
+- with ``remap`` (int64 [E + shared]) every id becomes remap[id]: expert parallelism's global to local ids,
+  -1 for "not on this rank".
+
+Launches (no host synchronisation, no shape depending on the data: a call can be captured in a CUDA graph):
+
+1. ``_logits_kernel``, grid (E / BLOCK_E, D / BLOCK_D): each program multiplies one [BLOCK_E, BLOCK_D] tile
+   of the gate weight, read once, with every row's x slice and writes fp32 partial logits [split, B, E]. The
+   weight (E·D·4 bytes, 512 KB at DeepSeek-V2-Lite) is spread over ~128 programs instead of one SM per row.
+2. ``_select_kernel``, one program per row: adds the partials in ascending split order, softmax, top-k by
+   iterative argmax, the weights, the shared slots and the remap.
+
+Numerics: fp32 throughout; only the order of the logits' sums (fixed tiles, splits added in ascending order)
+and exp's rounding (Triton's fast exp on a GPU) differ from torch, so scores agree to a few fp32 units in the
+last place (divisions round to nearest, as torch's do). Two experts whose scores torch separates by less than
+that can come out in the other order. A row's results do not depend on the batch (each row's sums are the
+same code whatever B is), so row b of a batch is bitwise the row routed alone. Equal logits (e.g. equal gate
+rows) give exactly equal scores, and the lowest index wins. A NaN score is picked first, as torch.topk does,
+so ids stay in [0, E).
+
+Inputs a kernel does not admit (``route_reason``) take ``route_reference``, the same maths in torch; wrong
+shapes raise ValueError.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._admit import device_reason, dtype_reason
+
+MAX_B = 16  # rows a call (moe.MAX_B: the routed experts' kernel takes the same batches)
+MAX_E = 1024  # one select program holds a row's scores in registers
+MAX_SLOTS = 64  # top_k + shared: the top-k loop is unrolled
+# The logits tiles: BLOCK_E gate rows by BLOCK_D columns, one warp (gemv.py's finding for weight streaming on an
+# H200); at Lite (E=64, D=2048) a grid of 16 x 8 = 128 programs, 4 KB of weight each. Untuned. The tile shapes
+# the sums, so it is a module constant, never chosen per batch.
+BLOCK_E = 4
+BLOCK_D = 256
+LOGITS_WARPS = 1
+
+
+@triton.jit
+def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i
+    and every row b. The weight tile is loaded once for all rows."""
+    split = tl.program_id(1)
+    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ds = split * BLOCK_D + tl.arange(0, BLOCK_D)
+    elive, dlive = es < E, ds < D
+    wt = tl.load(w + es[:, None] * D + ds[None, :], mask=elive[:, None] & dlive[None, :], other=0.0).to(tl.float32)
+    for b in tl.static_range(B):  # unrolled: every row's x loads are in flight at once
+        xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
+        tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
+
+
+@triton.jit
+def _select_kernel(part, remap, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                   S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                   SLOTS: tl.constexpr):
+    """Row b: logits from the partials, softmax, the top K, their weights, S shared slots, the remap."""
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    live = e < E
+    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch
+        logits += tl.load(part + (j * B + b) * E + e, mask=live, other=0.0)
+    logits = tl.where(live, logits, float("-inf"))
+    p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the padding lanes
+    scores = tl.math.div_rn(p, tl.zeros_like(p) + tl.sum(p, axis=0))
+    # what is left to pick: scores are >= 0, so -1 marks padding and -2 a picked expert; NaN comes first (as
+    # torch.topk), which also keeps every id in range
+    work = tl.where(live, scores, -1.0)
+    work = tl.where(work != work, float("inf"), work)
+    slot = tl.arange(0, SLOTS)
+    vals = tl.zeros([SLOTS], dtype=tl.float32)
+    pick = tl.zeros([SLOTS], dtype=tl.int32)
+    for i in tl.static_range(K):
+        top = tl.max(work, axis=0)
+        at = tl.min(tl.where(work == top, e, BLOCK_E), axis=0)  # the lowest index among equal scores
+        vals = tl.where(slot == i, tl.sum(tl.where(e == at, scores, 0.0), axis=0), vals)
+        pick = tl.where(slot == i, at, pick)
+        work = tl.where(e == at, -2.0, work)
+    routed = slot < K
+    if NORM:
+        total = tl.sum(tl.where(routed, vals, 0.0), axis=0) + 1e-20
+        weight = tl.math.div_rn(vals, tl.zeros_like(vals) + total)
+    else:
+        weight = vals * scaling
+    weight = tl.where(routed, weight, 1.0)  # the shared experts' slots
+    pick = tl.where(routed, pick, E + slot - K)
+    out = slot < K + S
+    if REMAP:
+        pick = tl.load(remap + pick, mask=out, other=-1)
+    tl.store(ids + b * (K + S) + slot, pick.to(tl.int64), mask=out)
+    tl.store(wts + b * (K + S) + slot, weight, mask=out)
+
+
+# ---- shapes (errors), admission (fallbacks) and the torch path ---------------------------------------------
+
+def _check(x, gate_weight, top_k, shared, remap):
+    if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"expected x [B, D] and gate_weight [E, D], got {tuple(x.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    E = gate_weight.shape[0]
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} outside 1..E={E}")
+    if shared < 0:
+        raise ValueError(f"shared={shared} is negative")
+    if remap is not None and (tuple(remap.shape) != (E + shared,) or remap.dtype.is_floating_point
+                              or remap.dtype.is_complex or remap.dtype == torch.bool):
+        raise ValueError(f"expected integer remap [E + shared = {E + shared}], got {tuple(remap.shape)} {remap.dtype}")
+
+
+def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None) -> str | None:
+    """Admission predicate: None admits, else why the call takes the torch path. Wrong shapes raise ValueError."""
+    _check(x, gate_weight, top_k, shared, remap)
+    (B, D), E = x.shape, gate_weight.shape[0]
+    tensors = (x, gate_weight) if remap is None else (x, gate_weight, remap)
+    checks = [device_reason(*tensors), dtype_reason("x", x.dtype), dtype_reason("gate_weight", gate_weight.dtype)]
+    if not (x.is_contiguous() and gate_weight.is_contiguous()):
+        checks.append("x and gate_weight must be contiguous")
+    if remap is not None and (remap.dtype != torch.int64 or not remap.is_contiguous()):
+        checks.append(f"remap must be contiguous int64, got {remap.dtype}")
+    if not 1 <= B <= MAX_B:
+        checks.append(f"B={B} outside 1..{MAX_B}")
+    if E > MAX_E or top_k + shared > MAX_SLOTS:
+        checks.append(f"E={E} above {MAX_E} or top_k + shared = {top_k + shared} above {MAX_SLOTS}")
+    if E * D >= 2**31:
+        checks.append("gate_weight too large for 32-bit offsets")
+    return next((c for c in checks if c), None)
+
+
+def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
+                    remap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path: the same maths as route (ties to the lowest index through a stable sort)."""
+    _check(x, gate_weight, top_k, shared, remap)
+    scores = F.linear(x.float(), gate_weight.float()).softmax(dim=-1, dtype=torch.float32)
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :top_k], idx[:, :top_k]
+    if norm_topk_prob and top_k > 1:
+        weights = vals / (vals.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights = vals * scaling
+    B, E = x.shape[0], gate_weight.shape[0]
+    idx = torch.cat([idx, torch.arange(E, E + shared, device=x.device).expand(B, shared)], dim=1)
+    weights = torch.cat([weights, torch.ones(B, shared, dtype=torch.float32, device=x.device)], dim=1)
+    if remap is not None:
+        idx = remap.to(idx.device)[idx]
+    return idx.long().contiguous(), weights.contiguous()
+
+
+# ---- launches -----------------------------------------------------------------------------------------------
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
+          shared: int = 0, remap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, top_k + shared] int64, weights [B, top_k + shared] fp32) for x [B, D] against gate_weight [E, D]."""
+    if route_reason(x, gate_weight, top_k, shared, remap):
+        return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap)
+    (B, D), E = x.shape, gate_weight.shape[0]
+    block_e, block_d = min(BLOCK_E, triton.next_power_of_2(E)), min(BLOCK_D, triton.next_power_of_2(D))
+    n_split = triton.cdiv(D, block_d)
+    part = torch.empty(n_split, B, E, dtype=torch.float32, device=x.device)
+    _logits_kernel[(triton.cdiv(E, block_e), n_split)](x, gate_weight, part, B, E=E, D=D, BLOCK_E=block_e,
+                                                       BLOCK_D=block_d, num_warps=LOGITS_WARPS)
+    slots = top_k + shared
+    ids = torch.empty(B, slots, dtype=torch.int64, device=x.device)
+    weights = torch.empty(B, slots, dtype=torch.float32, device=x.device)
+    e_pad = triton.next_power_of_2(E)
+    _select_kernel[(B,)](part, ids if remap is None else remap, ids, weights, B, float(scaling), N_SPLIT=n_split, E=E,
+                         K=top_k, S=shared, NORM=bool(norm_topk_prob) and top_k > 1, REMAP=remap is not None,
+                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4)
+    return ids, weights
+
+
+__all__ = ["MAX_B", "route", "route_reason", "route_reference"]

@@ -1,0 +1,241 @@
+"""kernels/route.py (the MoE router of the graph decode step) against an independent reference (torch softmax,
+top-k by a Python sort on (-score, index)) on fresh random inputs: ids and weights for both weightings, the
+shared slots, the remap, exact ties, batch independence, the fallbacks and shape errors.
+
+Without a GPU the kernels run through the Triton interpreter (tests/conftest.py) on small ragged shapes: E=10
+is three expert blocks, the last one partly masked; D=40 is one column split and D=300 two, the second masked.
+With one, at DeepSeek-V2-Lite's shape (and V2's), plus CUDA-graph capture and replay.
+"""
+import pytest
+import torch
+
+from kernels import route as rt
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (D, E, k)
+LITE, SMALL, SPLIT = (2048, 64, 6), (40, 10, 3), (300, 10, 3)
+MATCH = [(s, dt, B) for s in (LITE, (5120, 160, 6)) for dt in DTYPES for B in (1, 8, 16)] if CUDA else \
+    [(SMALL, dt, B) for dt in DTYPES for B in (1, 5)] + [(SPLIT, torch.bfloat16, 5)]
+ROWS = LITE if CUDA else SMALL
+SCALING = 2.5  # not 1, so a missing scaling shows
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    g.seed()  # fresh inputs each run
+    return g
+
+
+def problem(B, D, E, dtype, gen):
+    """x [B, D] in dtype, the fp32 gate [E, D]; logits of about unit size, never zeros."""
+    x = torch.randn(B, D, generator=gen, device=DEV).to(dtype)
+    return x, torch.randn(E, D, generator=gen, device=DEV) * D**-0.5
+
+
+def reference(x, w, k, norm, scaling, shared=0):
+    """Built here, not from kernels/route.py: (ids, weights, scores) with ids chosen by a Python sort."""
+    scores = torch.softmax(x.float() @ w.float().T, dim=-1).cpu()
+    E = w.shape[0]
+    ids, weights = [], []
+    for s in scores:
+        top = sorted(range(E), key=lambda e: (-s[e].item(), e))[:k]
+        v = s[top]
+        v = v / (v.sum() + 1e-20) if norm and k > 1 else v * scaling
+        ids.append(top + list(range(E, E + shared)))
+        weights.append(torch.cat([v, torch.ones(shared)]))
+    return torch.tensor(ids, dtype=torch.int64), torch.stack(weights), scores
+
+
+def assert_routes(got, want, k, rel=1e-5):
+    """Equal ids slot by slot, except that rounding may swap experts whose reference scores agree to `rel`;
+    the weights agree to fp32 rounding (a swapped pair's weights are equally close)."""
+    (ids, wts), (ref_ids, ref_wts, scores) = got, want
+    ids, wts = ids.cpu(), wts.cpu()
+    torch.testing.assert_close(wts, ref_wts, rtol=rel, atol=1e-6)
+    for b, s in torch.nonzero(ids != ref_ids).tolist():
+        assert s < k, (b, s, ids[b], ref_ids[b])  # shared slots are never swapped
+        a, r = scores[b, ids[b, s]].item(), scores[b, ref_ids[b, s]].item()
+        assert abs(a - r) <= rel * r, (b, s, ids[b], ref_ids[b], a, r)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "scaled"])
+@pytest.mark.parametrize("shape,dtype,B", MATCH, ids=lambda v: str(v).removeprefix("torch."))
+def test_route_matches_reference(shape, dtype, B, norm, gen):
+    D, E, k = shape
+    x, w = problem(B, D, E, dtype, gen)
+    assert rt.route_reason(x, w, k) is None
+    ids, wts = rt.route(x, w, k, norm, SCALING)
+    assert ids.shape == wts.shape == (B, k) and ids.dtype == torch.int64 and wts.dtype == torch.float32
+    assert ids.is_contiguous() and wts.is_contiguous() and ids.device == x.device
+    want = reference(x, w, k, norm, SCALING)
+    assert_routes((ids, wts), want, k)
+    assert (wts[:, :-1] >= wts[:, 1:]).all()  # descending scores, slot by slot
+    if norm:
+        torch.testing.assert_close(wts.sum(-1), torch.ones(B, device=DEV))
+    if B > 1:  # rows differ, and so do their routes: nothing was mixed between rows
+        assert not torch.equal(wts[0], wts[1])
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "scaled"])
+def test_one_expert_is_scaled_not_normalised(norm, gen):
+    """norm_topk_prob applies only when top_k > 1 (as in the engine's MoE.route)."""
+    D, E, _ = ROWS
+    x, w = problem(3, D, E, torch.bfloat16, gen)
+    got = rt.route(x, w, 1, norm, SCALING)
+    assert_routes(got, reference(x, w, 1, norm, SCALING), 1)
+    assert (got[1] != 1).all()  # scaled by 2.5, not divided by itself
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "scaled"])
+def test_shared_slots_and_remap(norm, gen):
+    D, E, k = ROWS
+    B, shared = 4, 2
+    x, w = problem(B, D, E, torch.bfloat16, gen)
+    plain = rt.route(x, w, k, norm, SCALING)
+    ids, wts = rt.route(x, w, k, norm, SCALING, shared=shared)
+    assert ids.shape == wts.shape == (B, k + shared)
+    assert_routes((ids, wts), reference(x, w, k, norm, SCALING, shared), k)
+    # the routed slots are the call without shared slots, bitwise; the shared ones E + j with weight 1
+    assert torch.equal(ids[:, :k], plain[0]) and torch.equal(wts[:, :k], plain[1])
+    assert torch.equal(ids[:, k:].cpu(), torch.arange(E, E + shared).expand(B, shared))
+    assert torch.equal(wts[:, k:].cpu(), torch.ones(B, shared))
+    # expert parallelism: half the experts on this rank (local ids 0..), the rest -1; a shared one too
+    perm = torch.randperm(E + shared, generator=gen, device=DEV)
+    remap = torch.full((E + shared,), -1, dtype=torch.int64, device=DEV)
+    remap[perm[: (E + shared) // 2]] = torch.arange((E + shared) // 2, device=DEV)
+    rids, rwts = rt.route(x, w, k, norm, SCALING, shared=shared, remap=remap)
+    assert torch.equal(rids, remap[ids]) and torch.equal(rwts, wts)
+    assert (rids == -1).any() and (rids >= 0).any()
+    ref_ids, ref_wts = rt.route_reference(x, w, k, norm, SCALING, shared, remap)
+    assert ref_ids.dtype == torch.int64 and torch.equal(ref_ids[:, k:], rids[:, k:])
+    torch.testing.assert_close(ref_wts, rwts, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_ties_pick_the_lowest_index(k, gen):
+    """Integer-valued inputs sum exactly in any order, so equal gate rows give bitwise equal logits and scores.
+    Rows 2, 5 and 8 are equal and, against x row 0 (all ones), the largest: k=2 takes 2 and 5, not 8."""
+    D, E = 40, 10
+    B = 6
+    x = torch.randint(-2, 3, (B, D), generator=gen, device=DEV).to(torch.bfloat16)
+    x[0] = 1
+    w = torch.randint(-2, 3, (E, D), generator=gen, device=DEV).float() / 16  # each logit at most 5
+    w[2] = w[5] = w[8] = 0.25  # 10 against x row 0; random rows meet them and others tie among themselves
+    w[9] = w[0]
+    for norm in (True, False):
+        ids, wts = rt.route(x, w, k, norm, SCALING)
+        ref_ids, ref_wts, _ = reference(x, w, k, norm, SCALING)
+        assert torch.equal(ids.cpu(), ref_ids), (ids, ref_ids)  # exactly: no rounding to excuse a swap
+        torch.testing.assert_close(wts.cpu(), ref_wts, rtol=1e-5, atol=1e-6)
+        assert ids[0, :3].tolist() == [2, 5, 8][:k]  # row 0: the tied experts, lowest index first
+        assert (wts[0, :min(k, 3)] == wts[0, 0]).all()  # tied experts, equal weights, bitwise
+        assert torch.equal(rt.route_reference(x, w, k, norm, SCALING)[0].cpu(), ref_ids)  # the torch path too
+
+
+def test_a_tie_at_the_last_slot():
+    """Two experts tie for the last slot (the 4th): the lower index takes it."""
+    D, E = 40, 10
+    x = torch.ones(1, D, device=DEV)
+    w = torch.full((E, D), -1 / 16, device=DEV)
+    w[2], w[5], w[8] = 0.25, 0.125, 0.0625
+    w[9] = w[3] = 0  # next best after 2, 5, 8; tied: 3 before 9
+    ids, wts = rt.route(x, w, 4, False, 1.0)
+    assert ids[0].tolist() == [2, 5, 8, 3] and torch.equal(ids[0], rt.route_reference(x, w, 4, False, 1.0)[0][0])
+    assert (wts[0, :-1] > wts[0, 1:]).all()
+
+
+def test_rows_do_not_depend_on_the_batch(gen):
+    """Row b of a batch is bitwise the row routed alone: each row's sums are the same code whatever B is."""
+    D, E, k = ROWS
+    B = 16 if CUDA else 5
+    x, w = problem(B, D, E, torch.bfloat16, gen)
+    ids, wts = rt.route(x, w, k, False, SCALING, shared=1)
+    for b in range(B):
+        one = rt.route(x[b:b + 1], w, k, False, SCALING, shared=1)
+        assert torch.equal(ids[b], one[0][0]) and torch.equal(wts[b], one[1][0]), b
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy, on NaN under the interpreter
+def test_nan_rows_still_give_ids_in_range(gen):
+    """A NaN in x makes the row's scores NaN; its ids stay in [0, E) (the first k, as the torch path)."""
+    D, E, k = ROWS
+    x, w = problem(3, D, E, torch.float32, gen)
+    x[1, 3] = float("nan")
+    ids, wts = rt.route(x, w, k, True, SCALING)
+    assert ids[1].tolist() == list(range(k)) and torch.isnan(wts[1]).all()
+    assert torch.equal(rt.route_reference(x, w, k, True, SCALING)[0][1], ids[1])
+    assert_routes((ids[::2], wts[::2]), reference(x[::2], w, k, True, SCALING), k)
+
+
+def test_inadmissible_inputs_fall_back(gen, monkeypatch):
+    D, E, k = ROWS
+    x, w = problem(4, D, E, torch.float32, gen)
+    want = rt.route(x, w, k, True, SCALING)
+
+    def close(got):
+        assert_routes(got, reference(x, w, k, True, SCALING), k)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+
+    xt = x.t().contiguous().t()  # the same values, column-major
+    assert "contiguous" in rt.route_reason(xt, w, k)
+    close(rt.route(xt, w, k, True, SCALING))
+    assert "contiguous" in rt.route_reason(x, w.t().contiguous().t(), k)
+    assert "dtype" in rt.route_reason(x.double(), w, k)
+    close(rt.route(x.double(), w, k, True, SCALING))
+    assert "remap" in rt.route_reason(x, w, k, 0, torch.arange(E, dtype=torch.int32, device=DEV))
+    ids, _ = rt.route(x, w, k, True, SCALING, remap=torch.arange(E, dtype=torch.int32, device=DEV) + 1)
+    assert ids.dtype == torch.int64 and torch.equal(ids, rt.route_reference(x, w, k, True, SCALING)[0] + 1)
+    big = torch.randn(rt.MAX_B + 1, D, generator=gen, device=DEV)
+    assert "B=" in rt.route_reason(big, w, k)
+    ids, wts = rt.route(big, w, k, False, SCALING)
+    assert_routes((ids, wts), reference(big, w, k, False, SCALING), k)
+    # a CPU tensor outside the interpreter is not admitted
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "device cpu" in rt.route_reason(x.cpu(), w.cpu(), k)
+
+
+def test_shape_errors_are_errors_not_fallbacks(gen):
+    D, E, k = ROWS
+    x, w = problem(3, D, E, torch.float32, gen)
+    bad = [
+        dict(top_k=E + 1),  # more experts than there are
+        dict(top_k=0),
+        dict(x=x[:, :-1]),  # D mismatch
+        dict(x=x[0]),  # not [B, D]
+        dict(gate_weight=w[None]),  # not [E, D]
+        dict(shared=-1),
+        dict(shared=1, remap=torch.arange(E, device=DEV)),  # remap must cover E + shared ids
+        dict(remap=torch.arange(E, device=DEV).float()),
+    ]
+    for change in bad:
+        args = dict(x=x, gate_weight=w, top_k=k, norm_topk_prob=True, scaling=SCALING) | change
+        for call in (rt.route, rt.route_reference):
+            with pytest.raises(ValueError):
+                call(**args)
+        with pytest.raises(ValueError):
+            rt.route_reason(args["x"], args["gate_weight"], args["top_k"], args.get("shared", 0),
+                            args.get("remap"))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("B", [1, 8])
+def test_cuda_graph_replay_is_bitwise(B, gen):
+    from kernels.bench import capture
+    D, E, k = LITE
+    x, w = problem(B, D, E, torch.bfloat16, gen)
+    remap = torch.arange(E + 2, device=DEV).flip(0)
+
+    def step():
+        return rt.route(x, w, k, False, SCALING, shared=2, remap=remap)
+
+    graph, (ids, wts) = capture(step)  # warmed up on a side stream, then captured
+    for _ in range(3):  # fresh inputs into the captured buffers
+        x.copy_(problem(B, D, E, torch.bfloat16, gen)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        assert torch.equal(ids, want[0]) and torch.equal(wts, want[1])
+        assert_routes((remap[ids[:, :k]].clone(), wts[:, :k]), reference(x, w, k, False, SCALING), k)
