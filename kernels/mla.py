@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: two launches a layer, for CUDA graphs.
+"""Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: four launches a layer, for CUDA graphs.
 
 B rows, H heads, each query head q [nope + Dr] (its last Dr values the rope part), a latent cache of R
 values (normalised c_kv) and Dr values (roped k_pe) per position, kv_b_proj's weight viewed as
@@ -21,14 +21,17 @@ w_kv [H, nope + v, R] (W_UK = w_kv[:, :nope], W_UV = w_kv[:, nope:]).
 Cache row b belongs to batch row b, and pos[b] (cache.lengths[b] before the step) must lie in [0, L): the
 kernels cannot check that without a host synchronisation; the cache write skips a position outside it.
 
-Launches: the cache write is one program per row (R + Dr + H*Dr values); the attention one program per (row,
-head), which streams that head's 256 KB of w_kv and the row's live cache once, with an online softmax over
-BLOCK_L positions at a time. The latent cache is shared by all heads (MQA in the latent space), so the heads of
-a row reread it, from the L2. At batch 1 only H programs run and the per-SM bandwidth bounds the weight reads:
-every loop is a ``tl.range`` with ``num_stages``, which makes Triton pipeline its loads through shared memory
-(cp.async) and keep more bytes in flight. Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16
-(Triton 3.6): 185 registers, no spills, 72 KB of shared memory (BLOCK_L 32 took 255 registers). Block sizes,
-warps and stages are otherwise untuned. Nothing waits on the host and no shape depends on the data: both calls
+Launches: the cache write is one program per row (R + Dr + H*Dr values). The attention is three short, wide
+launches through fp32 scratch [B, H, R] (q_lat, then o_lat): one program per (row, head) walking both weight
+matrices and the cache in turn was a chain of dependent, latency-bound loads on only B*H SMs (23 us a layer at
+batch 1 on an H200 for ~0.3 MB read). (1) q_lat: program (b, h, j) reads a [nope, SLICE_R] slice of W_UK[h] (R /
+SLICE_R programs a head); (2) the core: program (b, h) reads q_lat and the row's live cache, with an online
+softmax over BLOCK_L positions at a time, and writes o_lat (the latent cache is shared by all heads, MQA in the
+latent space, so the heads of a row reread it from the L2); (3) out: program (b, h, j) reads SLICE_V rows of
+W_UV[h] and rounds once to the model dtype. The loops are ``tl.range`` with ``num_stages`` (loads pipelined
+through shared memory with cp.async). Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16 (Triton
+3.6): 40, 180 and 56 registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes,
+warps and stages are otherwise untuned. Nothing waits on the host and no shape depends on the data: every launch
 can be captured in a CUDA graph and replayed with new positions.
 
 Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the same
@@ -43,15 +46,18 @@ import triton.language as tl
 from ._admit import device_reason, dtype_reason, interpreting
 
 # Limits of what was compiled for sm_90 and fits (no spills; shared memory 135 KB in fp32, 72 KB in bf16):
-MAX_R = 512  # the latent (kv_lora_rank) is held whole: BLOCK_L x R and BLOCK_N x R tiles
+MAX_R = 512  # the latent (kv_lora_rank) is held whole: BLOCK_L x R and SLICE_V x R tiles
 MAX_DR = 256  # rope dims, held whole
-MAX_HEAD = 1024  # nope and v_head_dim: looped over in BLOCK_N slices
+MAX_HEAD = 1024  # nope looped over in BLOCK_N rows, v spread over programs of SLICE_V rows
 MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at once (H * Dr/2)
 BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
-BLOCK_N = 32  # weight rows per load (W_UK rows of nope, W_UV rows of v)
-NUM_WARPS = 8
-W_STAGES = 3  # pipeline stages (cp.async) of the weight loops and of the position loop
-L_STAGES = 3
+BLOCK_N = 64  # W_UK rows (of nope) per load in the q_lat kernel
+SLICE_R = 64  # latent columns per q_lat program: R / SLICE_R programs a head
+SLICE_V = 16  # W_UV rows per output program: v / SLICE_V programs a head
+SLICE_WARPS = 4  # the q_lat and output kernels
+NUM_WARPS = 8  # the attention core
+W_STAGES = 2  # pipeline stages (cp.async) of the W_UK loop
+L_STAGES = 3  # and of the position loop
 WRITE_WARPS = 4
 
 
@@ -95,36 +101,46 @@ def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scal
     tl.store(qp + 1, (qe * fi[None, :] + qo * fr[None, :]).to(q.dtype.element_ty), mask=qm)
 
 
-@triton.jit(do_not_specialize=["layer", "rows"])
-def _attention_kernel(q, w_kv, cache_kv, cache_pe, pos, out, scale, layer, rows,
-                      H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                      L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_L: tl.constexpr, W_STAGES: tl.constexpr, L_STAGES: tl.constexpr,
-                      STATIC_BOUND: tl.constexpr):
-    """Program (b, h): one head of one row, fp32 throughout."""
+@triton.jit
+def _q_latent_kernel(q, w_kv, q_lat, H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
+                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr):
+    """Program (b, h, j): q_lat[b, h, j*BLOCK_R:(j+1)*BLOCK_R] = q_nope[b, h] @ W_UK[h][:, that slice], fp32."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < R
     w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
     q_bh = q + (b * H + h).to(tl.int64) * (NOPE + DR)
-    # q_lat = q_nope @ W_UK[h]
-    q_lat = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for n0 in tl.range(0, NOPE, BLOCK_N, num_stages=W_STAGES):
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for n0 in tl.range(0, NOPE, BLOCK_N, num_stages=STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < NOPE
         qn = tl.load(q_bh + n, mask=nm, other=0.0).to(tl.float32)
         wt = tl.load(w_h + n[:, None] * R + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0).to(tl.float32)
-        q_lat += tl.sum(wt * qn[:, None], axis=0)
+        acc += tl.sum(wt * qn[:, None], axis=0)
+    tl.store(q_lat + (b * H + h).to(tl.int64) * R + r, acc, mask=rm)
+
+
+@triton.jit(do_not_specialize=["layer", "rows"])
+def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, layer, rows,
+                             H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
+                             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_L: tl.constexpr,
+                             L_STAGES: tl.constexpr, STATIC_BOUND: tl.constexpr):
+    """Program (b, h): o_lat[b, h] = softmax over positions 0..pos[b] of the latent scores, times the cache, fp32."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    bh = (b * H + h).to(tl.int64)
+    ql = tl.load(q_lat + bh * R + r, mask=rm, other=0.0)
     d = tl.arange(0, BLOCK_DR)
     dm = d < DR
-    q_pe = tl.load(q_bh + NOPE + d, mask=dm, other=0.0).to(tl.float32)
-    # online softmax over positions 0..pos[b]
+    q_pe = tl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(tl.float32)
     n_live = tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L)
     row = (layer * rows + b).to(tl.int64) * L
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], dtype=tl.float32)
-    o_lat = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     # The interpreter cannot take a loop bound loaded from memory (its scalars are 1-element arrays, which
     # numpy refuses as an index): there the loop runs to L, and the tiles past n_live, fully masked, change
     # nothing (their scores are -inf and position 0, always live, comes first).
@@ -135,23 +151,33 @@ def _attention_kernel(q, w_kv, cache_kv, cache_pe, pos, out, scale, layer, rows,
                      other=0.0).to(tl.float32)
         pe = tl.load(cache_pe + (row + lpos)[:, None] * DR + d[None, :], mask=lm[:, None] & dm[None, :],
                      other=0.0).to(tl.float32)
-        s = (tl.sum(kv * q_lat[None, :], axis=1) + tl.sum(pe * q_pe[None, :], axis=1)) * scale
+        s = (tl.sum(kv * ql[None, :], axis=1) + tl.sum(pe * q_pe[None, :], axis=1)) * scale
         s = tl.where(lm, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s - m_new)
         l_i = l_i * alpha + tl.sum(pr, axis=0)
-        o_lat = o_lat * alpha + tl.sum(pr[:, None] * kv, axis=0)
+        acc = acc * alpha + tl.sum(pr[:, None] * kv, axis=0)
         m_i = m_new
-    o_lat = o_lat / l_i
-    # out = W_UV[h] @ o_lat
-    dst = out + (b * H + h).to(tl.int64) * V
-    for v0 in tl.range(0, V, BLOCK_N, num_stages=W_STAGES):
-        v = v0 + tl.arange(0, BLOCK_N)
-        vm = v < V
-        wt = tl.load(w_h + (NOPE + v)[:, None] * R + r[None, :], mask=vm[:, None] & rm[None, :],
-                     other=0.0).to(tl.float32)
-        tl.store(dst + v, tl.sum(wt * o_lat[None, :], axis=1).to(out.dtype.element_ty), mask=vm)
+    tl.store(o_lat + bh * R + r, acc / l_i, mask=rm)
+
+
+@triton.jit
+def _out_kernel(w_kv, o_lat, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (b, h, j): out[b, h*V + j*BLOCK_V + i] = W_UV[h][that row] . o_lat[b, h], rounded once."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vm = v < V
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    bh = (b * H + h).to(tl.int64)
+    ol = tl.load(o_lat + bh * R + r, mask=rm, other=0.0)
+    w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
+    wt = tl.load(w_h + (NOPE + v)[:, None] * R + r[None, :], mask=vm[:, None] & rm[None, :], other=0.0)
+    y = tl.sum(wt.to(tl.float32) * ol[None, :], axis=1)
+    tl.store(out + bh * V + v, y.to(out.dtype.element_ty), mask=vm)
 
 
 # ---- torch path: the reference and the fallback -------------------------------------------------------------
@@ -292,17 +318,27 @@ def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache
 
 
 def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
-    """One launch; returns Triton's compiled kernel (None under the interpreter)."""
+    """Three launches through fp32 scratch (q_lat, o_lat [B, H, R]); returns Triton's compiled kernels in launch
+    order (Nones under the interpreter)."""
     B, H, hd = q.shape
     layers, rows, L, R = cache_kv.shape
     Dr = cache_pe.shape[-1]
     nope = hd - Dr
     V = w_kv.shape[1] - nope
-    return _attention_kernel[(B, H)](
-        q, w_kv, cache_kv, cache_pe, pos, out, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, V=V, L=L,
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=triton.next_power_of_2(Dr),
-        BLOCK_N=min(BLOCK_N, triton.next_power_of_2(max(nope, V))), BLOCK_L=BLOCK_L, W_STAGES=W_STAGES,
-        L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS)
+    q_lat = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
+    o_lat = torch.empty_like(q_lat)
+    block_r, slice_r = triton.next_power_of_2(R), min(SLICE_R, triton.next_power_of_2(R))
+    slice_v = min(SLICE_V, triton.next_power_of_2(V))
+    k1 = _q_latent_kernel[(B, H, triton.cdiv(R, slice_r))](
+        q, w_kv, q_lat, H=H, NOPE=nope, DR=Dr, R=R, V=V, BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)),
+        BLOCK_R=slice_r, STAGES=W_STAGES, num_warps=SLICE_WARPS)
+    k2 = _latent_attention_kernel[(B, H)](
+        q, q_lat, cache_kv, cache_pe, pos, o_lat, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, L=L,
+        BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L, L_STAGES=L_STAGES,
+        STATIC_BOUND=interpreting(), num_warps=NUM_WARPS)
+    k3 = _out_kernel[(B, H, triton.cdiv(V, slice_v))](
+        w_kv, o_lat, out, H=H, NOPE=nope, R=R, V=V, BLOCK_R=block_r, BLOCK_V=slice_v, num_warps=SLICE_WARPS)
+    return [k1, k2, k3]
 
 
 def mla_cache_write(q, kv_a, norm_weight, eps: float, inv_freq, scaling: float, pos, cache_kv, cache_pe,

@@ -157,6 +157,17 @@ def test_attention_any_position_block(block_l, gen, monkeypatch):
     assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
 
 
+def test_attention_ragged_weight_slices(gen, monkeypatch):
+    """q_lat and the output spread over several programs a head, each with a masked last slice (and W_UK rows
+    loaded in several steps): the same result."""
+    monkeypatch.setattr(mla, "SLICE_R", 16 if not CUDA else 128)  # R=40: 3 slices; R=512: 4
+    monkeypatch.setattr(mla, "SLICE_V", 4 if not CUDA else 32)  # V=10: 3 slices; V=128: 4
+    monkeypatch.setattr(mla, "BLOCK_N", 8 if not CUDA else 32)  # nope=12: 2 steps; 128: 4
+    q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(3, torch.float32, gen)
+    out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
+    assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
+
+
 # ---- both kernels against the graph decode step's einsums ------------------------------------------------------
 
 def einsum_attention(attn, x, cache, layer, pos, inv_freq, scaling):
