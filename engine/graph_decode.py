@@ -1,9 +1,9 @@
 """The engine's graph decode path (the `graph` kernels setting): one decode step of every batch row, static
 shapes, no host synchronisation, captured once per (batch, cache length) in a CUDA graph and replayed.
 
-A layer is ten launches (engine/DECODE.md counts them):
+A layer is about twelve launches (engine/DECODE.md counts them):
 - attention: the q and kv_a projections (one fused GEMV at batch 1), ``kernels.mla.mla_cache_write`` (the
-  latent's RMSNorm, rope of k and q, the cache write), ``kernels.mla.mla_attention`` (MLA in the latent space:
+  latent's RMSNorm, rope of k and q, the cache write), ``kernels.mla.mla_attention`` (three launches; MLA in the latent space:
   kv_b_proj's up-projections absorbed into the query and the output, so attention reads the compressed cache
   itself, kv_lora_rank + rope dims per token, up to each row's position), o_proj;
 - the residual add with the RMSNorm after it (``kernels.norm``);
