@@ -7,6 +7,10 @@ the deterministic kernels of ``kernels/``.
   one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
 - the greedy pick is ``argmax_batch`` (lowest index on ties, as torch.argmax).
 
+With ``batched`` (the graph decode step), projections of more than ``max_rows`` rows, up to 16, go through
+``kernels.skinny`` on the tensor cores instead (pairs as one launch too); rows then agree with batch 1 to fp32
+rounding, not to the bit.
+
 Inputs a kernel does not admit (more rows than ``MAX_M``, prefill of a long prompt, a CPU tensor
 outside the Triton interpreter) take the plain torch path.
 """
@@ -18,16 +22,22 @@ from torch import nn
 from .model import MLP, Attention, Linear, Transformer
 
 
-def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, max_rows: int | None = None) -> Transformer:
+def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, max_rows: int | None = None,
+           batched: bool = False) -> Transformer:
     """Attach the kernels to ``model`` in place, except to modules for which ``skip`` is true; projections of
-    more than ``max_rows`` rows keep torch's path. Imports Triton here, not at engine import: the interpreter
-    switch (TRITON_INTERPRET) is read when Triton compiles the kernels' decorators."""
+    more than ``max_rows`` rows keep torch's path, or with ``batched`` take kernels.skinny. Imports Triton here,
+    not at engine import: the interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels'
+    decorators."""
     from kernels.argmax import argmax_batch
     from kernels.gemv import gemm_per_token, gemv_fused
+    from kernels.skinny import skinny_linear
+
+    def wide(x: torch.Tensor) -> bool:
+        return max_rows is not None and x.shape[0] > max_rows
 
     def rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        if max_rows is not None and x.shape[0] > max_rows:
-            return None
+        if wide(x):
+            return skinny_linear(x, w, fallback=lambda: None) if batched else None
         return gemm_per_token(x, w, fallback=lambda: None)  # None: the Linear takes its torch path
 
     def pair(a: Linear, b: Linear):
@@ -40,9 +50,12 @@ def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, m
 
         def kernel(x: torch.Tensor):
             flat = x.reshape(-1, x.shape[-1])
-            if flat.shape[0] != 1:
+            if batched and wide(flat):
+                ys = skinny_linear(flat, joined, sizes, fallback=lambda: None)
+            elif flat.shape[0] == 1:
+                ys = gemv_fused(flat[0], joined, sizes, [x.dtype] * 2, fallback=lambda: None)
+            else:
                 return None
-            ys = gemv_fused(flat[0], joined, sizes, [x.dtype] * 2, fallback=lambda: None)
             return None if ys is None else tuple(y.view(*x.shape[:-1], -1) for y in ys)
 
         return kernel

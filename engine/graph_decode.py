@@ -71,12 +71,12 @@ class GraphDecode:
 
     def __init__(self, model: Transformer, projections: str = "triton"):
         self.model, self.ep = model, model.ep
-        if projections == "triton":  # batch 1's dense projections through kernels/gemv.py (PDL, fused pairs):
-            # 5.05 against 5.30 ms a step on an H200, while at batch 8 cuBLAS is faster (engine/DECODE.md). The
+        if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
+            # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The
             # routed experts have their own kernel, and the vocabulary projection is cuBLAS's at any batch.
             routed = {id(m) for layer in model.layers if isinstance(layer.mlp, MoE) for m in layer.mlp.experts.modules()}
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head, argmax=False,
-                                  max_rows=1)
+                                  max_rows=1, batched=True)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
         from kernels import mla, moe, norm, route
 

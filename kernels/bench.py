@@ -12,6 +12,12 @@ Times are medians in µs of CUDA-graph replays timed with CUDA events (no host l
   for a one-element kernel on an H200;
 - warm: 20 calls back to back on the same weights (partly served by the L2).
 Every variant is checked bitwise against gemv_exact per segment before it is timed. Prints a table last.
+
+    python -m kernels.bench --skinny [--variants]
+
+times kernels/skinny.py instead, at batch 8 on DeepSeek-V2-Lite's projections (q + kv_a joined, o_proj)
+against cuBLAS (F.linear, one launch a projection) in the same run, streamed and marginal as above, with and
+without programmatic dependent launch, each checked against an fp64 reference first.
 """
 from __future__ import annotations
 
@@ -21,11 +27,15 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from . import gemv
+from . import gemv, pdl, skinny
 
 K, SIZES = 4096, [2048, 512, 64]
 OUT_DTYPES = [torch.float32, torch.float32, torch.float16]
 VARIANTS = [(bn, nw) for bn in (1, 2, 4, 8) for nw in (1, 2, 4)]
+# kernels/skinny.py at batch 8: DeepSeek-V2-Lite's q + kv_a (one joined weight) and o_proj, K = 2048, bf16
+SKINNY_M, SKINNY_SHAPES = 8, {"q + kv_a": [3072, 576], "o_proj": [2048]}
+SKINNY_KNOBS = ("BLOCK_N", "BLOCK_K", "STAGES", "NUM_WARPS")
+SKINNY_VARIANTS = [(16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 6, 4), (64, 256, 3, 4)]  # no spills on sm_90
 
 
 def copy_bandwidth() -> float:
@@ -105,10 +115,49 @@ def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int =
     return float(torch.tensor(times).median()) if times else float("nan")
 
 
+def skinny_main(variants: bool) -> None:
+    """kernels/skinny.py against cuBLAS at batch 8; prints a table."""
+    bw = copy_bandwidth()
+    chosen = tuple(getattr(skinny, k) for k in SKINNY_KNOBS)
+    rows = []
+    for label, sizes in SKINNY_SHAPES.items():
+        x = torch.randn(SKINNY_M, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(sum(sizes), 2048, device="cuda", dtype=torch.bfloat16) * 2048**-0.5
+        floor = w.numel() * 2 / bw * 1e6
+        ref = x.double() @ w.double().T
+
+        def row(name, fn_of_w, check=True):
+            err = "-"
+            if check:
+                y = torch.cat(fn_of_w(w), dim=1) if len(sizes) > 1 else fn_of_w(w)
+                err = f"{((y.double() - ref).norm() / ref.norm()).item():.1e}"
+            streamed = streamed_us(fn_of_w, w)
+            rows.append((f"{label}: {name}", streamed, marginal_us(fn_of_w, w), streamed / floor, err))
+
+        row("F.linear per projection", lambda wi: [F.linear(x, p) for p in wi.split(sizes)], check=False)
+        for variant in [chosen] + (SKINNY_VARIANTS if variants else []):
+            for k, v in zip(SKINNY_KNOBS, variant):
+                setattr(skinny, k, v)
+            row(f"skinny {variant}{' (chosen)' if variant == chosen else ''}",
+                lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
+        for k, v in zip(SKINNY_KNOBS, chosen):
+            setattr(skinny, k, v)
+        pdl.ENABLED = False
+        row("skinny without PDL", lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
+        pdl.ENABLED = True
+    print(f"\nM={SKINNY_M} K=2048 bf16; floor = weight bytes at {bw / 1e12:.2f} TB/s; variants as {SKINNY_KNOBS}")
+    print(f"{'kernel':48} {'streamed':>8} {'marginal':>8} {'x floor':>8} rel err  (us, medians)")
+    for name, streamed, marginal, ratio, err in rows:
+        print(f"{name:48} {streamed:8.2f} {marginal:8.2f} {ratio:8.2f} {err}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--variants", action="store_true", help="also time BLOCK_N x num_warps variants")
+    ap.add_argument("--variants", action="store_true", help="also time block-shape variants")
+    ap.add_argument("--skinny", action="store_true", help="time kernels/skinny.py at batch 8 instead")
     args = ap.parse_args(argv)
+    if args.skinny:
+        return skinny_main(args.variants)
     torch.manual_seed(0)
     x = torch.randn(K, device="cuda", dtype=torch.float16)
     w = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.float16)
@@ -138,10 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         tag = " (chosen)" if (bn, nw) == chosen else ""
         row(f"gemv_fused BLOCK_N={bn} warps={nw}{tag}", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
     gemv.BLOCK_N, gemv.NUM_WARPS = chosen
-    gemv.PDL = False  # the same kernel launched the ordinary way: what programmatic dependent launch saves
+    pdl.ENABLED = False  # the same kernel launched the ordinary way: what programmatic dependent launch saves
     row("gemv_fused without PDL", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
     row("F.linear joined, then gemv_fused (no PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
-    gemv.PDL = True
+    pdl.ENABLED = True
     row("F.linear joined, then gemv_fused (PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
     # the slope to 4x the rows separates per-launch cost from bandwidth
     w4 = torch.randn(4 * sum(SIZES), K, device="cuda", dtype=torch.float16)
@@ -150,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), nan, nan, nan, nan, "-"))
     fused = lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)  # noqa: E731
     linear = kernel_us(lambda wi: F.linear(x, wi), w, "")  # the only kernel F.linear launches here
-    gemv.PDL = False  # a kernel's duration alone: with PDL a call starts early and waits inside
+    pdl.ENABLED = False  # a kernel's duration alone: with PDL a call starts early and waits inside
     alone = kernel_us(fused, w, "_rows_kernel")
-    gemv.PDL = True
+    pdl.ENABLED = True
     print(f"\nkernel time (CUPTI, eager, weights cold in HBM): gemv_fused {alone:.2f} us, F.linear joined {linear:.2f} us")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
     print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")

@@ -16,7 +16,6 @@ fused falls back to gemv_exact per segment, per-token to gemv_exact per row.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._admit import FLOATS, device_reason, dtype_reason, interpreting
 
 BLOCK_K = 1024  # the contract's reduction slice
@@ -35,11 +35,6 @@ NUM_WARPS = 1
 # block height, so it takes taller blocks: same results, far fewer programs.
 INTERPRETER_BLOCK_N = 64
 MAX_K = 16384  # the K loop is unrolled at compile time
-# Programmatic dependent launch (Hopper and later): a launch may start while the previous kernel in the
-# stream finishes, and waits for it (griddepcontrol) only before reading x. On an H200 it takes a stream of
-# gemv_fused calls from 7.09 to 5.37 µs a call (kernels/bench.py; prefetching 2 or 4 slices, or letting the
-# next kernel start before the wait, was slower: KERNELS.md).
-PDL = True
 MAX_M = 16
 MAX_SEGMENTS = 4
 
@@ -63,9 +58,10 @@ def _rows_kernel(x, w, o0, o1, o2, o3, e0, e1, e2, e3, stride_x, stride_w,
     # The first weight slice is loaded before waiting on the previous kernel: weights are never another
     # kernel's output, so under programmatic dependent launch this load overlaps that kernel's tail.
     w0 = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=live[:, None] & (cols < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # x, and the outputs' memory, may belong to the previous kernel
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its own first slice now
+    # Under programmatic dependent launch (kernels/pdl.py) x and the outputs' memory may belong to the previous
+    # kernel: wait for it here. On an H200 this takes a stream of gemv_fused calls from 7.09 to 5.37 µs a call
+    # (prefetching 2 or 4 slices, or letting the next kernel start before the wait, was slower: KERNELS.md).
+    pdl.wait(PDL)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):  # fixed ascending order over K slices
         kk = k0 + cols
@@ -119,12 +115,6 @@ def gemv_reason(x, w, out_dtype=None, block_k: int = BLOCK_K) -> str | None:
     return _common_reason(x, w, [out_dtype or x.dtype], block_k)
 
 
-@functools.cache
-def _hopper_or_later(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm_90+; asked once per device, not on every launch."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _launch(x, w, outs: Sequence[torch.Tensor], ends: Sequence[int], rows: int, block_k: int):
     """One launch of the shared kernel; returns Triton's compiled kernel (None under the interpreter)."""
     nseg = len(outs)
@@ -133,10 +123,9 @@ def _launch(x, w, outs: Sequence[torch.Tensor], ends: Sequence[int], rows: int, 
     K = w.shape[1]
     block_n = INTERPRETER_BLOCK_N if interpreting() else BLOCK_N
     grid = (triton.cdiv(w.shape[0], block_n), rows)
-    pdl = PDL and not interpreting() and _hopper_or_later(x.device)
     return _rows_kernel[grid](x, w, *outs, *ends, x.stride(0) if x.dim() == 2 else 0, w.stride(0),
                               K=K, NSEG=nseg, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
-                              PDL=pdl, num_warps=NUM_WARPS, **({"launch_pdl": True} if pdl else {}))
+                              num_warps=NUM_WARPS, **pdl.flags(x.device))
 
 
 def gemv_exact(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._admit import device_reason, dtype_reason, interpreting
 
 # Limits of what was compiled for sm_90 and fits (no spills; shared memory 135 KB in fp32, 72 KB in bf16):
@@ -66,8 +67,9 @@ WRITE_WARPS = 4
 @triton.jit(do_not_specialize=["layer", "rows"])
 def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scaling, kva_stride, layer, rows,
                         H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Program b: row b's cache slot at pos[b], and its query heads' rope parts in place."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     p = tl.load(pos + b)
     keep = (p >= 0) & (p < L)  # a position outside the cache is skipped, never written out of bounds
@@ -103,8 +105,10 @@ def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scal
 
 @triton.jit
 def _q_latent_kernel(q, w_kv, q_lat, H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
-                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr):
+                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (b, h, j): q_lat[b, h, j*BLOCK_R:(j+1)*BLOCK_R] = q_nope[b, h] @ W_UK[h][:, that slice], fp32."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -125,8 +129,9 @@ def _q_latent_kernel(q, w_kv, q_lat, H: tl.constexpr, NOPE: tl.constexpr, DR: tl
 def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, layer, rows,
                              H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
                              L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_L: tl.constexpr,
-                             L_STAGES: tl.constexpr, STATIC_BOUND: tl.constexpr):
+                             L_STAGES: tl.constexpr, STATIC_BOUND: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h): o_lat[b, h] = softmax over positions 0..pos[b] of the latent scores, times the cache, fp32."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
@@ -164,7 +169,7 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, la
 
 @triton.jit
 def _out_kernel(w_kv, o_lat, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
     """Program (b, h, j): out[b, h*V + j*BLOCK_V + i] = W_UV[h][that row] . o_lat[b, h], rounded once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -172,10 +177,11 @@ def _out_kernel(w_kv, o_lat, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.con
     vm = v < V
     r = tl.arange(0, BLOCK_R)
     rm = r < R
-    bh = (b * H + h).to(tl.int64)
-    ol = tl.load(o_lat + bh * R + r, mask=rm, other=0.0)
     w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
     wt = tl.load(w_h + (NOPE + v)[:, None] * R + r[None, :], mask=vm[:, None] & rm[None, :], other=0.0)
+    pdl.wait(PDL)  # the weight slice is read while the attention core finishes; o_lat is its output
+    bh = (b * H + h).to(tl.int64)
+    ol = tl.load(o_lat + bh * R + r, mask=rm, other=0.0)
     y = tl.sum(wt.to(tl.float32) * ol[None, :], axis=1)
     tl.store(out + bh * V + v, y.to(out.dtype.element_ty), mask=vm)
 
@@ -314,7 +320,8 @@ def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache
     return _cache_write_kernel[(B,)](
         q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, float(eps), float(scaling), kv_a.stride(0),
         layer, rows, H=H, NOPE=hd - Dr, DR=Dr, R=R, L=L, BLOCK_R=triton.next_power_of_2(R),
-        BLOCK_P=triton.next_power_of_2(Dr // 2), BLOCK_H=triton.next_power_of_2(H), num_warps=WRITE_WARPS)
+        BLOCK_P=triton.next_power_of_2(Dr // 2), BLOCK_H=triton.next_power_of_2(H), num_warps=WRITE_WARPS,
+        **pdl.flags(q.device))
 
 
 def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
@@ -329,15 +336,17 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
     o_lat = torch.empty_like(q_lat)
     block_r, slice_r = triton.next_power_of_2(R), min(SLICE_R, triton.next_power_of_2(R))
     slice_v = min(SLICE_V, triton.next_power_of_2(V))
+    flags = pdl.flags(q.device)
     k1 = _q_latent_kernel[(B, H, triton.cdiv(R, slice_r))](
         q, w_kv, q_lat, H=H, NOPE=nope, DR=Dr, R=R, V=V, BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)),
-        BLOCK_R=slice_r, STAGES=W_STAGES, num_warps=SLICE_WARPS)
+        BLOCK_R=slice_r, STAGES=W_STAGES, num_warps=SLICE_WARPS, **flags)
     k2 = _latent_attention_kernel[(B, H)](
         q, q_lat, cache_kv, cache_pe, pos, o_lat, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, L=L,
         BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L, L_STAGES=L_STAGES,
-        STATIC_BOUND=interpreting(), num_warps=NUM_WARPS)
+        STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
     k3 = _out_kernel[(B, H, triton.cdiv(V, slice_v))](
-        w_kv, o_lat, out, H=H, NOPE=nope, R=R, V=V, BLOCK_R=block_r, BLOCK_V=slice_v, num_warps=SLICE_WARPS)
+        w_kv, o_lat, out, H=H, NOPE=nope, R=R, V=V, BLOCK_R=block_r, BLOCK_V=slice_v, num_warps=SLICE_WARPS,
+        **flags)
     return [k1, k2, k3]
 
 

@@ -49,7 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._admit import device_reason, dtype_reason, interpreting
+from ._mma import mma
 
 MAX_B = 16  # tokens per call
 # B = 1: one weight row per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
@@ -77,9 +79,11 @@ COMBINE_WARPS = 4
 
 @triton.jit
 def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PDL: tl.constexpr):
     """B = 1. Program (n, j): weight rows n*BLOCK_N.. of pair p's expert against p's input row; p = j, or
     order[j] if the pairs come sorted (keys are then the sorted ids)."""
+    pdl.wait(PDL)  # which weights to read is the router's output
     j = tl.program_id(1)
     e = tl.load(keys + j)
     p = tl.load(order + j) if SORTED else j.to(tl.int64)  # the flat pair index b*k + s: where the result goes
@@ -111,23 +115,13 @@ def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K:
 
 
 @triton.jit
-def _mma(wt, xt, acc, F32: tl.constexpr):
-    """acc [BLOCK_N, G] += wt [BLOCK_N, BLOCK_K] @ xt [G, BLOCK_K]^T, fp32 accumulation. F32: fp32 operands and an
-    exact fp32 dot (fp32 inputs, where TF32 would be the default; and the interpreter, whose dot mishandles bf16)."""
-    if F32:
-        acc = tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(wt, tl.trans(xt), acc)
-    return acc
-
-
-@triton.jit
 def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """B >= 2. Program (n, j): weight rows n*BLOCK_N.. of sorted pair j's expert against the inputs of the up to
     G pairs from j on that chose it, if j leads them (it starts its group, or lies a multiple of G past the
     start); else nothing."""
+    pdl.wait(PDL)
     j = tl.program_id(1)
     e = tl.load(sorted_ids + j)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,10 +153,10 @@ def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: t
         xt = tl.load(inp + src[:, None] * K + kk[None, :], mask=live[:, None] & kin[None, :], other=0.0)
         wmask = rlive[:, None] & kin[None, :]
         wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-        acc_a = _mma(wa, xt, acc_a, F32)
+        acc_a = mma(wa, xt, acc_a, F32)
         if GATED:
             wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-            acc_b = _mma(wb, xt, acc_b, F32)
+            acc_b = mma(wb, xt, acc_b, F32)
     dst = out + pair[None, :] * N + rows[:, None]
     smask = rlive[:, None] & live[None, :]
     if GATED:
@@ -172,9 +166,10 @@ def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: t
 
 
 @triton.jit
-def _combine_kernel(y, wts, out, D: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(y, wts, out, D: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[b] = sum over s ascending of wts[b, s] * y[b, s] (launched without FMA contraction: each product is
     rounded before it is added, as in the torch path)."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = d < D
@@ -293,9 +288,10 @@ def moe_reason(x, w13, w2, ids, weights=None) -> str | None:
 # ---- launches -----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _rank_kernel(ids, sorted_ids, order, n, NP: tl.constexpr):
+def _rank_kernel(ids, sorted_ids, order, n, NP: tl.constexpr, PDL: tl.constexpr):
     """A stable sort of n <= NP ids in one program: each id's place is the count of ids before it (smaller, or
     equal and earlier). torch.sort's radix sort costs ~6.5 µs a call on an H200 for these few ids."""
+    pdl.wait(PDL)
     i = tl.arange(0, NP)
     live = i < n
     v = tl.load(ids + i, mask=live, other=0)
@@ -315,7 +311,8 @@ def _route(ids):
     if flat.numel() > MAX_RANK or flat.dtype != torch.int64 or device_reason(flat):
         return torch.sort(flat.long(), stable=True)
     sorted_ids, order = torch.empty_like(flat), torch.empty_like(flat)
-    _rank_kernel[(1,)](flat, sorted_ids, order, flat.numel(), NP=triton.next_power_of_2(flat.numel()), num_warps=4)
+    _rank_kernel[(1,)](flat, sorted_ids, order, flat.numel(), NP=triton.next_power_of_2(flat.numel()), num_warps=4,
+                        **pdl.flags(flat.device))
     return sorted_ids, order
 
 
@@ -339,7 +336,7 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
         return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
             inp, w, out, keys, keys if order is None else order, DIV=slots if gated else 1, N=N, K=K, GATED=gated,
             SORTED=order is not None, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)),
-            num_warps=NUM_WARPS)
+            num_warps=NUM_WARPS, **pdl.flags(w.device))
     sorted_ids, order = route
     n_pairs = sorted_ids.numel()
     block_n = INTERPRETER_BLOCK_N if interpreting() else (DOT_BLOCK_N if gated else DOT_DOWN_BLOCK_N)
@@ -347,7 +344,8 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
     return _dot_kernel[(triton.cdiv(N, block_n), n_pairs)](
         inp, w, out, sorted_ids, order, n_pairs, DIV=slots if gated else 1, N=N, K=K, GATED=gated, G=G,
         NP=triton.next_power_of_2(n_pairs), F32=interpreting() or w.dtype == torch.float32, BLOCK_N=block_n,
-        BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=DOT_WARPS, num_stages=DOT_STAGES)
+        BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=DOT_WARPS, num_stages=DOT_STAGES,
+        **pdl.flags(w.device))
 
 
 def _route_for(ids, pairs):
@@ -399,7 +397,8 @@ def moe_experts(x, w13, w2, ids, weights, route=None):
     B, k, D = y.shape
     out = torch.empty(B, D, dtype=torch.float32, device=x.device)
     _combine_kernel[(B, triton.cdiv(D, BLOCK_D))](y, weights.float().contiguous(), out, D=D, SLOTS=k,
-                                                  BLOCK_D=BLOCK_D, num_warps=COMBINE_WARPS, enable_fp_fusion=False)
+                                                  BLOCK_D=BLOCK_D, num_warps=COMBINE_WARPS, enable_fp_fusion=False,
+                                                  **pdl.flags(x.device))
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._admit import device_reason, dtype_reason
 
 MAX_D = 16384  # one row per program, held whole in registers
@@ -27,7 +28,8 @@ MAX_D = 16384  # one row per program, held whole in registers
 
 @triton.jit
 def _norm_kernel(x, delta, slot_w, w, h_out, y_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                 SLOTS: tl.constexpr):
+                 SLOTS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     keep = cols < D
@@ -75,7 +77,7 @@ def _launch(x, delta, weight, eps, h_out, y_out, slot_w=None):
     slots = 0 if slot_w is None else slot_w.shape[-1]
     return _norm_kernel[(x.numel() // D,)](x, delta, slot_w, weight, h_out, y_out, eps, D=D,
                                            BLOCK=triton.next_power_of_2(D), ADD=delta is not None, SLOTS=slots,
-                                           num_warps=4 if D >= 1024 else 1)
+                                           num_warps=4 if D >= 1024 else 1, **pdl.flags(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

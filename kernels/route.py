@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
 from ._admit import device_reason, dtype_reason
 
 MAX_B = 16  # rows a call (moe.MAX_B: the routed experts' kernel takes the same batches)
@@ -54,7 +55,7 @@ LOGITS_WARPS = 1
 
 @triton.jit
 def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i
     and every row b. The weight tile is loaded once for all rows."""
     split = tl.program_id(1)
@@ -62,6 +63,7 @@ def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr
     ds = split * BLOCK_D + tl.arange(0, BLOCK_D)
     elive, dlive = es < E, ds < D
     wt = tl.load(w + es[:, None] * D + ds[None, :], mask=elive[:, None] & dlive[None, :], other=0.0).to(tl.float32)
+    pdl.wait(PDL)  # the gate weight is no kernel's output: its load overlaps the previous kernel's tail
     for b in tl.static_range(B):  # unrolled: every row's x loads are in flight at once
         xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
         tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
@@ -70,8 +72,9 @@ def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr
 @triton.jit
 def _select_kernel(part, remap, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
                    S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, BLOCK_E: tl.constexpr,
-                   SLOTS: tl.constexpr):
+                   SLOTS: tl.constexpr, PDL: tl.constexpr):
     """Row b: logits from the partials, softmax, the top K, their weights, S shared slots, the remap."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     live = e < E
@@ -175,14 +178,14 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     n_split = triton.cdiv(D, block_d)
     part = torch.empty(n_split, B, E, dtype=torch.float32, device=x.device)
     _logits_kernel[(triton.cdiv(E, block_e), n_split)](x, gate_weight, part, B, E=E, D=D, BLOCK_E=block_e,
-                                                       BLOCK_D=block_d, num_warps=LOGITS_WARPS)
+                                                       BLOCK_D=block_d, num_warps=LOGITS_WARPS, **pdl.flags(x.device))
     slots = top_k + shared
     ids = torch.empty(B, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(B, slots, dtype=torch.float32, device=x.device)
     e_pad = triton.next_power_of_2(E)
     _select_kernel[(B,)](part, ids if remap is None else remap, ids, weights, B, float(scaling), N_SPLIT=n_split, E=E,
                          K=top_k, S=shared, NORM=bool(norm_topk_prob) and top_k > 1, REMAP=remap is not None,
-                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4)
+                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4, **pdl.flags(x.device))
     return ids, weights
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import argmax as am
-from kernels import gemv
+from kernels import gemv, pdl
 from kernels.bench import capture
 
 CUDA = torch.cuda.is_available()
@@ -182,12 +182,12 @@ def test_dependent_launches_wait_for_their_input(gen):
         return y
 
     want = None
-    for pdl in (False, True):
-        gemv.PDL = pdl
+    for on in (False, True):
+        pdl.ENABLED = on
         try:
             got = chain()
         finally:
-            gemv.PDL = True
+            pdl.ENABLED = True
         want = got if want is None else want
     assert torch.equal(got, want) and torch.isfinite(want).all()
     graph = torch.cuda.CUDAGraph()
@@ -195,11 +195,11 @@ def test_dependent_launches_wait_for_their_input(gen):
         out = chain()
     for _ in range(3):
         x.copy_(fresh(n, gen=gen))
-        gemv.PDL = False
+        pdl.ENABLED = False
         try:
             want = chain()
         finally:
-            gemv.PDL = True
+            pdl.ENABLED = True
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)

@@ -1,7 +1,7 @@
 """Decode-step probe on a lent GPU (issue 8), without a checkpoint on disk: the DeepSeek-V2-Lite shape with
 random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
 
-    python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile]
+    python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile] [--projections torch,triton] [--pdl on,off]
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
 Prints: tokens agreement, TPOT p50 per path and batch (CUDA events around each step), and with --profile
@@ -111,20 +111,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--projections", default="torch,triton", help="the dense projections of the graph step (torch first)")
+    ap.add_argument("--pdl", default="on", help="programmatic dependent launch of the step's kernels: on, off or both")
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     a = ap.parse_args()
     prompt = list(range(1000, 1012))
     if a.ep:
         return expert_parallel(a, prompt)
     model = build(a.layers)
-    rows = []
-    torch_path = {}
-    for projections in a.projections.split(","):
+    from kernels import pdl
+
+    rows, dec = [], None
+    torch_path = {batch: tpot(model, batch, a.tokens, prompt) for batch in (1, 8)}  # before any kernel is attached
+    for projections, on in ((p, o) for p in a.projections.split(",") for o in a.pdl.split(",")):
+        model.graph_decode = dec = None  # frees the last variant's expert stacks and graphs (~30 GB)
+        torch.cuda.empty_cache()
+        pdl.ENABLED = on == "on"  # read at capture: each variant's graphs keep their own launches
         dec = graph_decode.GraphDecode(model, projections)
+        projections = f"{projections}{'' if on == 'on' else ' no PDL'}"
         for batch in (1, 8):
-            if batch not in torch_path:
-                model.graph_decode = None
-                torch_path[batch] = tpot(model, batch, a.tokens, prompt)
             t_torch, tok_torch = torch_path[batch]
             model.graph_decode = dec
             t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
@@ -147,9 +151,9 @@ def main() -> None:
             events = [e for e in prof.events() if e.device_type.name == "CUDA"]
             print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    print(f"\n{'projections':>11} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
+    print(f"\n{'projections':>18} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
     for proj, batch, t0, t1, same in rows:
-        print(f"{proj:>11} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
+        print(f"{proj:>18} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
     print(json.dumps({"layers": a.layers, "rows": rows}))
 
 
