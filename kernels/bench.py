@@ -142,9 +142,8 @@ def skinny_main(variants: bool) -> None:
                 lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
         for k, v in zip(SKINNY_KNOBS, chosen):
             setattr(skinny, k, v)
-        pdl.ENABLED = False
-        row("skinny without PDL", lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
-        pdl.ENABLED = True
+        with pdl.disabled():
+            row("skinny without PDL", lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
     print(f"\nM={SKINNY_M} K=2048 bf16; floor = weight bytes at {bw / 1e12:.2f} TB/s; variants as {SKINNY_KNOBS}")
     print(f"{'kernel':48} {'streamed':>8} {'marginal':>8} {'x floor':>8} rel err  (us, medians)")
     for name, streamed, marginal, ratio, err in rows:
@@ -187,10 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         tag = " (chosen)" if (bn, nw) == chosen else ""
         row(f"gemv_fused BLOCK_N={bn} warps={nw}{tag}", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
     gemv.BLOCK_N, gemv.NUM_WARPS = chosen
-    pdl.ENABLED = False  # the same kernel launched the ordinary way: what programmatic dependent launch saves
-    row("gemv_fused without PDL", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
-    row("F.linear joined, then gemv_fused (no PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
-    pdl.ENABLED = True
+    with pdl.disabled():  # the same kernel launched the ordinary way: what programmatic dependent launch saves
+        row("gemv_fused without PDL", lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES), bitwise())
+        row("F.linear joined, then gemv_fused (no PDL)",
+            lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
     row("F.linear joined, then gemv_fused (PDL)", lambda wi: (F.linear(x, wi), gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)))
     # the slope to 4x the rows separates per-launch cost from bandwidth
     w4 = torch.randn(4 * sum(SIZES), K, device="cuda", dtype=torch.float16)
@@ -199,9 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), nan, nan, nan, nan, "-"))
     fused = lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)  # noqa: E731
     linear = kernel_us(lambda wi: F.linear(x, wi), w, "")  # the only kernel F.linear launches here
-    pdl.ENABLED = False  # a kernel's duration alone: with PDL a call starts early and waits inside
-    alone = kernel_us(fused, w, "_rows_kernel")
-    pdl.ENABLED = True
+    with pdl.disabled():  # a kernel's duration alone: with PDL a call starts early and waits inside
+        alone = kernel_us(fused, w, "_rows_kernel")
     print(f"\nkernel time (CUPTI, eager, weights cold in HBM): gemv_fused {alone:.2f} us, F.linear joined {linear:.2f} us")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
     print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")

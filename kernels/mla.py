@@ -22,15 +22,17 @@ Cache row b belongs to batch row b, and pos[b] (cache.lengths[b] before the step
 kernels cannot check that without a host synchronisation; the cache write skips a position outside it.
 
 Launches: the cache write is one program per row (R + Dr + H*Dr values). The attention is three short, wide
-launches through fp32 scratch [B, H, R] (q_lat, then o_lat): one program per (row, head) walking both weight
-matrices and the cache in turn was a chain of dependent, latency-bound loads on only B*H SMs (23 us a layer at
-batch 1 on an H200 for ~0.3 MB read). (1) q_lat: program (b, h, j) reads a [nope, SLICE_R] slice of W_UK[h] (R /
-SLICE_R programs a head); (2) the core: program (b, h) reads q_lat and the row's live cache, with an online
-softmax over BLOCK_L positions at a time, and writes o_lat (the latent cache is shared by all heads, MQA in the
-latent space, so the heads of a row reread it from the L2); (3) out: program (b, h, j) reads SLICE_V rows of
-W_UV[h] and rounds once to the model dtype. The loops are ``tl.range`` with ``num_stages`` (loads pipelined
+launches through fp32 scratch (q_lat [B, H, R], then per-chunk partials): one program per (row, head) walking
+both weight matrices and the cache in turn was a chain of dependent, latency-bound loads on only B*H SMs (23 us
+a layer at batch 1 on an H200 for ~0.3 MB read). (1) q_lat: program (b, h, j) reads a [nope, SLICE_R] slice of
+W_UK[h] (R / SLICE_R programs a head); (2) the core, split over positions as flash-decoding does: program
+(b, h, c) reads q_lat and chunk c of the row's live cache (SPLITS chunks of whole BLOCK_L blocks), with an online
+softmax over BLOCK_L positions at a time, and writes its unnormalised partial with its max and sum (the latent
+cache is shared by all heads, MQA in the latent space, so the heads of a row reread it from the L2); (3) out:
+program (b, h, j) merges the chunks' partials into o_lat, reads SLICE_V rows of W_UV[h] and rounds once to the
+model dtype. With one chunk the result is bitwise the unsplit one. The loops are ``tl.range`` with ``num_stages`` (loads pipelined
 through shared memory with cp.async). Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16 (Triton
-3.6): 40, 180 and 56 registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes,
+3.6, SPLITS 4): 40, 172 and 96 registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes,
 warps and stages are otherwise untuned. Nothing waits on the host and no shape depends on the data: every launch
 can be captured in a CUDA graph and replayed with new positions.
 
@@ -52,6 +54,7 @@ MAX_DR = 256  # rope dims, held whole
 MAX_HEAD = 1024  # nope looped over in BLOCK_N rows, v spread over programs of SLICE_V rows
 MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at once (H * Dr/2)
 BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
+SPLITS = 4  # position chunks a (row, head): B*H*SPLITS programs in the attention core (flash-decoding)
 BLOCK_N = 64  # W_UK rows (of nope) per load in the q_lat kernel
 SLICE_R = 64  # latent columns per q_lat program: R / SLICE_R programs a head
 SLICE_V = 16  # W_UV rows per output program: v / SLICE_V programs a head
@@ -126,14 +129,18 @@ def _q_latent_kernel(q, w_kv, q_lat, H: tl.constexpr, NOPE: tl.constexpr, DR: tl
 
 
 @triton.jit(do_not_specialize=["layer", "rows"])
-def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, layer, rows,
+def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, scale, layer, rows,
                              H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
-                             L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_L: tl.constexpr,
-                             L_STAGES: tl.constexpr, STATIC_BOUND: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, h): o_lat[b, h] = softmax over positions 0..pos[b] of the latent scores, times the cache, fp32."""
+                             L: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_DR: tl.constexpr, BLOCK_L: tl.constexpr, L_STAGES: tl.constexpr,
+                             STATIC_BOUND: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, h, c): over the live positions of chunk c (CHUNK positions from c*CHUNK), the running max m of
+    the latent scores, l = sum of exp(score - m) and o = sum of exp(score - m) * kv, fp32: o_part[b, h, c] = o,
+    ml_part[b, h, c] = (m, l); a chunk with no live position gives (-inf, 0) and o = 0."""
     pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     r = tl.arange(0, BLOCK_R)
     rm = r < R
     bh = (b * H + h).to(tl.int64)
@@ -141,17 +148,18 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, la
     d = tl.arange(0, BLOCK_DR)
     dm = d < DR
     q_pe = tl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(tl.float32)
-    n_live = tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L)
+    lo = c * CHUNK
+    hi = tl.minimum(tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L), lo + CHUNK)  # past the chunk's live end
     row = (layer * rows + b).to(tl.int64) * L
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     # The interpreter cannot take a loop bound loaded from memory (its scalars are 1-element arrays, which
-    # numpy refuses as an index): there the loop runs to L, and the tiles past n_live, fully masked, change
-    # nothing (their scores are -inf and position 0, always live, comes first).
-    for l0 in tl.range(0, L if STATIC_BOUND else n_live, BLOCK_L, num_stages=L_STAGES):
-        lpos = l0 + tl.arange(0, BLOCK_L)
-        lm = lpos < n_live
+    # numpy refuses as an index): there the loop runs over the whole chunk, and the tiles past hi, fully
+    # masked, change nothing (m_safe below keeps a chunk with nothing live yet at exp(-inf) = 0, not NaN).
+    for i in tl.range(0, CHUNK if STATIC_BOUND else hi - lo, BLOCK_L, num_stages=L_STAGES):
+        lpos = lo + i + tl.arange(0, BLOCK_L)
+        lm = lpos < hi
         kv = tl.load(cache_kv + (row + lpos)[:, None] * R + r[None, :], mask=lm[:, None] & rm[None, :],
                      other=0.0).to(tl.float32)
         pe = tl.load(cache_pe + (row + lpos)[:, None] * DR + d[None, :], mask=lm[:, None] & dm[None, :],
@@ -159,18 +167,24 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_lat, scale, la
         s = (tl.sum(kv * ql[None, :], axis=1) + tl.sum(pe * q_pe[None, :], axis=1)) * scale
         s = tl.where(lm, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(s - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        pr = tl.exp(s - m_safe)
         l_i = l_i * alpha + tl.sum(pr, axis=0)
         acc = acc * alpha + tl.sum(pr[:, None] * kv, axis=0)
         m_i = m_new
-    tl.store(o_lat + bh * R + r, acc / l_i, mask=rm)
+    part = bh * SPLITS + c
+    tl.store(o_part + part * R + r, acc, mask=rm)
+    tl.store(ml_part + part * 2, m_i)
+    tl.store(ml_part + part * 2 + 1, l_i)
 
 
 @triton.jit
-def _out_kernel(w_kv, o_lat, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, h, j): out[b, h*V + j*BLOCK_V + i] = W_UV[h][that row] . o_lat[b, h], rounded once."""
+def _out_kernel(w_kv, o_part, ml_part, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, h, j): o_lat[b, h] from the chunks' partials (rescaled to their common max, summed in ascending
+    chunk order, divided by the rescaled sum of l), then out[b, h*V + j*BLOCK_V + i] = W_UV[h][that row] . o_lat,
+    rounded once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -181,8 +195,17 @@ def _out_kernel(w_kv, o_lat, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.con
     wt = tl.load(w_h + (NOPE + v)[:, None] * R + r[None, :], mask=vm[:, None] & rm[None, :], other=0.0)
     pdl.wait(PDL)  # the weight slice is read while the attention core finishes; o_lat is its output
     bh = (b * H + h).to(tl.int64)
-    ol = tl.load(o_lat + bh * R + r, mask=rm, other=0.0)
-    y = tl.sum(wt.to(tl.float32) * ol[None, :], axis=1)
+    m = tl.load(ml_part + bh * SPLITS * 2)  # chunk 0 holds position 0, always live: m is finite
+    for c in tl.static_range(1, SPLITS):
+        m = tl.maximum(m, tl.load(ml_part + (bh * SPLITS + c) * 2))
+    ol = tl.zeros([BLOCK_R], dtype=tl.float32)
+    denom = tl.zeros([], dtype=tl.float32)
+    for c in tl.static_range(SPLITS):
+        part = bh * SPLITS + c
+        wc = tl.exp(tl.load(ml_part + part * 2) - m)  # 1 for one chunk, 0 for a chunk with nothing live
+        ol += wc * tl.load(o_part + part * R + r, mask=rm, other=0.0)
+        denom += wc * tl.load(ml_part + part * 2 + 1)
+    y = tl.sum(wt.to(tl.float32) * (ol / denom)[None, :], axis=1)
     tl.store(out + bh * V + v, y.to(out.dtype.element_ty), mask=vm)
 
 
@@ -325,28 +348,31 @@ def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache
 
 
 def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
-    """Three launches through fp32 scratch (q_lat, o_lat [B, H, R]); returns Triton's compiled kernels in launch
-    order (Nones under the interpreter)."""
+    """Three launches through fp32 scratch (q_lat [B, H, R], the chunks' partials); returns Triton's compiled
+    kernels in launch order (Nones under the interpreter)."""
     B, H, hd = q.shape
     layers, rows, L, R = cache_kv.shape
     Dr = cache_pe.shape[-1]
     nope = hd - Dr
     V = w_kv.shape[1] - nope
+    splits = max(1, min(SPLITS, triton.cdiv(L, BLOCK_L)))
+    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L  # whole position blocks a chunk
     q_lat = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
-    o_lat = torch.empty_like(q_lat)
+    o_part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
+    ml_part = torch.empty(B, H, splits, 2, dtype=torch.float32, device=q.device)
     block_r, slice_r = triton.next_power_of_2(R), min(SLICE_R, triton.next_power_of_2(R))
     slice_v = min(SLICE_V, triton.next_power_of_2(V))
     flags = pdl.flags(q.device)
     k1 = _q_latent_kernel[(B, H, triton.cdiv(R, slice_r))](
         q, w_kv, q_lat, H=H, NOPE=nope, DR=Dr, R=R, V=V, BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)),
         BLOCK_R=slice_r, STAGES=W_STAGES, num_warps=SLICE_WARPS, **flags)
-    k2 = _latent_attention_kernel[(B, H)](
-        q, q_lat, cache_kv, cache_pe, pos, o_lat, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, L=L,
-        BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L, L_STAGES=L_STAGES,
-        STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
+    k2 = _latent_attention_kernel[(B, H, splits)](
+        q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
+        L=L, CHUNK=chunk, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L,
+        L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
     k3 = _out_kernel[(B, H, triton.cdiv(V, slice_v))](
-        w_kv, o_lat, out, H=H, NOPE=nope, R=R, V=V, BLOCK_R=block_r, BLOCK_V=slice_v, num_warps=SLICE_WARPS,
-        **flags)
+        w_kv, o_part, ml_part, out, H=H, NOPE=nope, R=R, V=V, SPLITS=splits, BLOCK_R=block_r, BLOCK_V=slice_v,
+        num_warps=SLICE_WARPS, **flags)
     return [k1, k2, k3]
 
 

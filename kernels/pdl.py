@@ -18,6 +18,7 @@ kernel waits, the order of the stream holds transitively, as without PDL; a kern
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from ._admit import interpreting
 
-# Switched off by the benchmarks to measure what it saves (kernels/bench.py, tools/device_decode.py).
+# Switched off (``disabled``) by the benchmarks to measure what it saves, and by the profile stage.
 ENABLED = True
 
 
@@ -42,6 +43,17 @@ def flags(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+@contextlib.contextmanager
+def disabled():
+    """Ordinary launches inside: what PDL saves, and kernel durations a profiler can take as each kernel's own."""
+    global ENABLED
+    before, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = before
+
+
 @triton.jit
 def wait(PDL: tl.constexpr):
     """Wait for the previous kernel (its writes visible), then let the next one launch."""
@@ -50,4 +62,4 @@ def wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "flags", "wait"]
+__all__ = ["ENABLED", "disabled", "flags", "wait"]

@@ -181,25 +181,17 @@ def test_dependent_launches_wait_for_their_input(gen):
             y = gemv.gemm_per_token(gemv.gemv_exact(y, w)[None], w)[0]
         return y
 
-    want = None
-    for on in (False, True):
-        pdl.ENABLED = on
-        try:
-            got = chain()
-        finally:
-            pdl.ENABLED = True
-        want = got if want is None else want
+    with pdl.disabled():
+        want = chain()
+    got = chain()
     assert torch.equal(got, want) and torch.isfinite(want).all()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = chain()
     for _ in range(3):
         x.copy_(fresh(n, gen=gen))
-        pdl.ENABLED = False
-        try:
+        with pdl.disabled():
             want = chain()
-        finally:
-            pdl.ENABLED = True
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)

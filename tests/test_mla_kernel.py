@@ -157,6 +157,19 @@ def test_attention_any_position_block(block_l, gen, monkeypatch):
     assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_attention_split_over_positions(splits, gen, monkeypatch):
+    """The core split into position chunks (one; several, the last ragged; more than the cache has blocks, so
+    capped) merged by the output kernel: rows whose only live position is 0 leave every later chunk empty, and
+    stale NaNs past each row's position reach no chunk."""
+    monkeypatch.setattr(mla, "BLOCK_L", 4)
+    monkeypatch.setattr(mla, "SPLITS", splits)
+    q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(4, torch.float32, gen)
+    stale(cache_kv, pos, float("nan"))
+    out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
+    assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
+
+
 def test_attention_ragged_weight_slices(gen, monkeypatch):
     """q_lat and the output spread over several programs a head, each with a masked last slice (and W_UK rows
     loaded in several steps): the same result."""

@@ -65,6 +65,7 @@ def test_summary_section(cpu_run):
     text = "\n".join(summary.profile_section(ev))
     assert "### Profile capture (torch, 3 decode steps" in text and "ncu: no CUDA device" in text
     assert "profile/kernels.csv" in text and "plots/profile.png" in text
+    assert f"Launches: {profile.LAUNCH}." in text  # the captured kernels' durations are their own, without PDL
 
 
 def test_tool_choice(monkeypatch):

@@ -82,8 +82,15 @@ def test_wrong_shapes_raise(gen):
         skinny.skinny_linear(x, w, [16, 8])
 
 
-def test_no_dependent_launch_off_hopper():
-    assert pdl.flags(torch.device("cpu")) == {"PDL": False}
+def test_dependent_launch_flags():
+    assert pdl.flags(torch.device("cpu")) == {"PDL": False}  # and under the interpreter, and before sm_90
+    with pdl.disabled():
+        assert not pdl.ENABLED
+        with pytest.raises(RuntimeError):
+            with pdl.disabled():
+                raise RuntimeError("restored on the way out")
+        assert not pdl.ENABLED
+    assert pdl.ENABLED
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs and programmatic dependent launch need a GPU")
@@ -103,11 +110,8 @@ def test_chain_under_dependent_launch_in_a_graph(gen):
     graph, out = capture(chain)
     for _ in range(3):
         x.copy_(rand(8, n, gen=gen))
-        pdl.ENABLED = False
-        try:
+        with pdl.disabled():
             want = chain()
-        finally:
-            pdl.ENABLED = True
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.isfinite(want).all()

@@ -2,6 +2,7 @@
 random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
 
     python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile] [--projections torch,triton] [--pdl on,off]
+        [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"]
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
 Prints: tokens agreement, TPOT p50 per path and batch (CUDA events around each step), and with --profile
@@ -12,6 +13,7 @@ name), tokens compared. The pipeline's bench stage makes the figures of record.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -109,9 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="then the eager step's kernels (the last variant, PDL off)")
     ap.add_argument("--projections", default="torch,triton", help="the dense projections of the graph step (torch first)")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch of the step's kernels: on, off or both")
+    ap.add_argument("--knobs", default="", help="more variants (triton projections, PDL on), ';' between variants: "
+                    "module.CONSTANT=value of kernels/, ',' between settings")
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     a = ap.parse_args()
     prompt = list(range(1000, 1012))
@@ -122,22 +126,34 @@ def main() -> None:
 
     rows, dec = [], None
     torch_path = {batch: tpot(model, batch, a.tokens, prompt) for batch in (1, 8)}  # before any kernel is attached
-    for projections, on in ((p, o) for p in a.projections.split(",") for o in a.pdl.split(",")):
+    variants = [(p, o, "") for p in a.projections.split(",") for o in a.pdl.split(",")]
+    variants += [("triton", "on", k) for k in a.knobs.split(";") if k]
+    for projections, on, knobs in variants:
         model.graph_decode = dec = None  # frees the last variant's expert stacks and graphs (~30 GB)
         torch.cuda.empty_cache()
         pdl.ENABLED = on == "on"  # read at capture: each variant's graphs keep their own launches
+        undo = []
+        for setting in filter(None, knobs.split(",")):
+            name, value = setting.split("=")
+            mod, const = name.rsplit(".", 1)
+            mod = importlib.import_module(f"kernels.{mod}")
+            undo.append((mod, const, getattr(mod, const)))
+            setattr(mod, const, type(getattr(mod, const))(value))
         dec = graph_decode.GraphDecode(model, projections)
-        projections = f"{projections}{'' if on == 'on' else ' no PDL'}"
+        projections = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
         for batch in (1, 8):
             t_torch, tok_torch = torch_path[batch]
             model.graph_decode = dec
             t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
             same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
             rows.append((projections, batch, t_torch, t_graph, "all" if same is None else f"first {same}"))
+        for mod, const, value in undo:
+            setattr(mod, const, value)
 
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        pdl.ENABLED = False  # eager launches timed alone: under PDL a kernel's duration includes its wait
         for pb in (1, 8):
             cache = dec.cache(pb, 64)
             with torch.inference_mode():
@@ -151,9 +167,9 @@ def main() -> None:
             events = [e for e in prof.events() if e.device_type.name == "CUDA"]
             print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    print(f"\n{'projections':>18} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
+    print(f"\n{'variant':>34} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
     for proj, batch, t0, t1, same in rows:
-        print(f"{proj:>18} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
+        print(f"{proj:>34} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
     print(json.dumps({"layers": a.layers, "rows": rows}))
 
 

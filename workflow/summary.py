@@ -238,6 +238,7 @@ def profile_section(root: Path) -> list[str]:
         f"{cap['kernel_count']} distinct kernels, {cap['launches']} launches; share = {cap['share_basis']}"
         + (f"; median decode step {med / 1e3:.2f} ms (wall, under the tool)" if med else "") + ".",
         "",
+        *([f"Launches: {cap['launch']}.", ""] if cap.get("launch") else []),
         *floor_lines(cap.get("floor")),
         markdown(["kernel", "calls", "total µs", "mean µs", "share"], [
             [f"`{k['kernel'][:80]}`", k["calls"], f"{k['total_us']:.1f}", f"{k['mean_us']:.2f}", f"{k['share_pct']:.1f}%"]

@@ -106,6 +106,11 @@ def cuda_profiler_range():
         torch.cuda.profiler.stop()
 
 
+# A kernel launched with PDL (kernels/pdl.py) starts before its predecessor ends and waits inside it, so a
+# profiler would charge it that wait: the captured steps launch the ordinary way (the bench's TPOT keeps PDL).
+LAUNCH = "ordinary: programmatic dependent launch off, so each kernel's duration is its own"
+
+
 def _session(ckpt: Path, evidence: Path):
     from workflow.session import open_session
 
@@ -115,9 +120,11 @@ def _session(ckpt: Path, evidence: Path):
 
 def worker(ckpt: Path, evidence: Path, out: Path) -> None:
     """Run under ncu/nsys: warm-up, then the decode steps inside the CUDA profiler API range; step times to `out`."""
+    from kernels import pdl
+
     config, session = _session(ckpt, evidence)
     cfg = config["nsight"]
-    with session as s:
+    with pdl.disabled(), session as s:  # LAUNCH says why
         ids = s.tokenizer.encode(cfg["prompt"]).ids
         decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True)  # warm-up: allocator, cuBLAS, Triton
         times = decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True, around=cuda_profiler_range())
@@ -267,9 +274,11 @@ def capture_torch(ckpt: Path, evidence: Path, tmp: Path, cuda: bool) -> tuple[di
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from kernels import pdl
+
     config, session = _session(ckpt, evidence)
     cfg = config["nsight"]
-    with session as s:
+    with pdl.disabled(), session as s:  # LAUNCH says why
         ids = s.tokenizer.encode(cfg["prompt"]).ids
         decode_steps(s.model, ids, cfg["batch"], cfg["steps"], cuda)  # warm-up
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -438,7 +447,7 @@ def run(ckpt: Path, evidence: Path) -> dict:
         cap.update(tool=tool, not_run=why, steps=cfg["steps"], batch=cfg["batch"], device=device,
                    gpu=torch.cuda.get_device_name() if cuda else None, prompt=cfg["prompt"],
                    nvtx_ranges=["prefill"] + [f"decode_step_{i}" for i in range(cfg["steps"])],
-                   versions={"torch": torch.__version__})
+                   versions={"torch": torch.__version__}, launch=LAUNCH)
         kernels = cap.pop("kernels")
         per_step = sum(k["total_us"] for k in kernels) / cfg["steps"] if cuda else None  # GPU time, every tool
         cap["floor"] = floor(ckpt, config, device, cap.get("prompt_tokens", 0), per_step)
