@@ -54,7 +54,11 @@ MAX_DR = 256  # rope dims, held whole
 MAX_HEAD = 1024  # nope looped over in BLOCK_N rows, v spread over programs of SLICE_V rows
 MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at once (H * Dr/2)
 BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
-SPLITS = 4  # position chunks a (row, head): B*H*SPLITS programs in the attention core (flash-decoding)
+# Position chunks a (row, head), flash-decoding: up to SPLITS, until the core has about PROGRAMS programs. On an
+# H200 at batch 1 (16 programs unsplit) 4 chunks took the decode step from 2.53 to 2.39 ms; at batch 8 (128
+# programs) splitting gained nothing (engine/DECODE.md v7).
+SPLITS = 4
+PROGRAMS = 64
 BLOCK_N = 64  # W_UK rows (of nope) per load in the q_lat kernel
 SLICE_R = 64  # latent columns per q_lat program: R / SLICE_R programs a head
 SLICE_V = 16  # W_UV rows per output program: v / SLICE_V programs a head
@@ -355,7 +359,7 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
     Dr = cache_pe.shape[-1]
     nope = hd - Dr
     V = w_kv.shape[1] - nope
-    splits = max(1, min(SPLITS, triton.cdiv(L, BLOCK_L)))
+    splits = max(1, min(SPLITS, triton.cdiv(PROGRAMS, B * H), triton.cdiv(L, BLOCK_L)))
     chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L  # whole position blocks a chunk
     q_lat = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
     o_part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)

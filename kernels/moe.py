@@ -54,10 +54,11 @@ from ._admit import device_reason, dtype_reason, interpreting
 from ._mma import mma
 
 MAX_B = 16  # tokens per call
-# B = 1: one weight row per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
-# experts_down, DOWN_BLOCK_N): gemv.py's finding on an H200 at K=2048..4096.
+# B = 1: weight rows per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
+# experts_down, DOWN_BLOCK_N). One row (gemv.py's finding at K=2048..4096) for gate/up; two for down (K=1408,
+# 16,384 programs a call with one): the decode step at batch 1 on an H200 2.38 -> 2.17 ms (engine/DECODE.md v8).
 BLOCK_N = 1
-DOWN_BLOCK_N = 1
+DOWN_BLOCK_N = 2
 BLOCK_K = 512
 NUM_WARPS = 1
 MAX_K = 16384  # the one-row kernel's K loop is unrolled at compile time

@@ -164,6 +164,7 @@ def test_attention_split_over_positions(splits, gen, monkeypatch):
     stale NaNs past each row's position reach no chunk."""
     monkeypatch.setattr(mla, "BLOCK_L", 4)
     monkeypatch.setattr(mla, "SPLITS", splits)
+    monkeypatch.setattr(mla, "PROGRAMS", 10**6)  # SPLITS alone decides, whatever B * H
     q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(4, torch.float32, gen)
     stale(cache_kv, pos, float("nan"))
     out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
