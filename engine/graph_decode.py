@@ -1,11 +1,13 @@
 """The engine's graph decode path (the `graph` kernels setting): one decode step of every batch row, static
 shapes, no host synchronisation, captured once per (batch, cache length) in a CUDA graph and replayed.
 
-A layer is about twelve launches (engine/DECODE.md counts them):
-- attention: the q and kv_a projections (one fused GEMV at batch 1), ``kernels.mla.mla_cache_write`` (the
+A layer is about twelve launches (engine/DECODE.md counts them), each launched with programmatic dependent
+launch (``kernels.pdl``) so that it overlaps the tail of the one before:
+- attention: the q and kv_a projections in one launch (``kernels.gemv`` at batch 1, ``kernels.skinny`` on the
+  tensor cores at 2-16 rows), ``kernels.mla.mla_cache_write`` (the
   latent's RMSNorm, rope of k and q, the cache write), ``kernels.mla.mla_attention`` (three launches; MLA in the latent space:
   kv_b_proj's up-projections absorbed into the query and the output, so attention reads the compressed cache
-  itself, kv_lora_rank + rope dims per token, up to each row's position), o_proj;
+  itself, kv_lora_rank + rope dims per token, up to each row's position), o_proj (the same kernels);
 - the residual add with the RMSNorm after it (``kernels.norm``);
 - the MoE: the router (``kernels.route``: fp32 logits, softmax, top-k), the routed pairs sorted by expert, and
   ``kernels.moe``'s two expert kernels. The shared experts ride along as extra experts of the stacks (slices of

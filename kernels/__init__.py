@@ -1,13 +1,15 @@
 """Triton kernels of the engine, each with a torch reference, an admission predicate and a contract.
 
 gemv.py    gemv_exact, gemv_fused, gemm_per_token: one deterministic row kernel, bitwise contracts
+skinny.py  skinny_linear: projections of 2-16 rows on the tensor cores (the graph decode step above batch 1)
 argmax.py  argmax_batch: greedy pick, lowest index on ties
 moe.py     experts_gate_up, experts_down, moe_experts: routed experts, each read once per call (moe_bench.py)
 route.py   route: the MoE router (fp32 logits, softmax, top-k, shared slots) in two launches
 mla.py     mla_cache_write, mla_attention: MLA decode in the latent space (norm, rope, cache write, attention)
 norm.py    rms_norm, add_rms_norm, moe_add_rms_norm: the residual add (or the MoE sum) and RMSNorm in one launch
+pdl.py     programmatic dependent launch: the launch flags and the wait every kernel of the decode step calls
 audit.py   registers, spills and shared memory of each compiled kernel
-bench.py   gemv_fused against F.linear on a GPU
+bench.py   gemv_fused (or --skinny: skinny_linear) against F.linear on a GPU
 
 The registry is kernels/KERNELS.md. Nothing here imports the rest of the project.
 """

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from . import argmax, gemv, moe, norm
+from . import argmax, gemv, moe, norm, skinny
 
 
 def resources(name: str, compiled, **shape) -> dict:
@@ -47,6 +47,10 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         halves = [torch.empty(n // 2, dtype=dtype, device=device) for _ in range(2)]
         rows.append(resources("gemv_fused", gemv._launch(x, w, halves, [n // 2, n], 1, gemv.BLOCK_K),
                               K=k, dtype=name, segments=2))
+        xs = rand(8, k)
+        parts = [torch.empty(8, n // 2, dtype=dtype, device=device) for _ in range(2)]
+        rows.append(resources("skinny_linear", skinny._launch(xs, w, parts, [n // 2, n]), K=k, dtype=name, M=8,
+                              segments=2))
     # the DeepSeek-V4 C4 auxiliary shape: three segments with fp32/fp32/fp16 outputs
     x, w = rand(4096, dt=torch.float16), rand(96, 4096, dt=torch.float16)
     outs = [torch.empty(32, dtype=d, device=device) for d in (torch.float32, torch.float32, torch.float16)]

@@ -30,10 +30,11 @@ W_UK[h] (R / SLICE_R programs a head); (2) the core, split over positions as fla
 softmax over BLOCK_L positions at a time, and writes its unnormalised partial with its max and sum (the latent
 cache is shared by all heads, MQA in the latent space, so the heads of a row reread it from the L2); (3) out:
 program (b, h, j) merges the chunks' partials into o_lat, reads SLICE_V rows of W_UV[h] and rounds once to the
-model dtype. With one chunk the result is bitwise the unsplit one. The loops are ``tl.range`` with ``num_stages`` (loads pipelined
-through shared memory with cp.async). Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16 (Triton
-3.6, SPLITS 4): 40, 172 and 96 registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes,
-warps and stages are otherwise untuned. Nothing waits on the host and no shape depends on the data: every launch
+model dtype. With one chunk the result is bitwise the unsplit one. The chunks are fewer at larger batches (see
+SPLITS). The loops are ``tl.range`` with ``num_stages`` (loads pipelined through shared memory with cp.async).
+Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16 (Triton 3.6, 4 chunks): 40, 172 and 96
+registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes, warps and stages
+are otherwise untuned. Nothing waits on the host and no shape depends on the data: every launch
 can be captured in a CUDA graph and replayed with new positions.
 
 Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the same

@@ -185,7 +185,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     e_pad = triton.next_power_of_2(E)
     _select_kernel[(B,)](part, ids if remap is None else remap, ids, weights, B, float(scaling), N_SPLIT=n_split, E=E,
                          K=top_k, S=shared, NORM=bool(norm_topk_prob) and top_k > 1, REMAP=remap is not None,
-                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4, **pdl.flags(x.device))
+                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4,
+                         **pdl.flags(x.device))
     return ids, weights
 
 

@@ -84,3 +84,25 @@ def test_fused_weights_are_views(models):
     q, kv = attn.q_in.weight, attn.kv_a_proj_with_mqa.weight
     assert q.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
     assert attn.pair_kernel is not None and fast.layers[0].mlp.pair_kernel is not None
+
+
+def test_batched_projections_take_the_few_row_kernel(models):
+    """With ``batched`` (the graph decode step's setting) one row takes the GEMV kernels, 2-16 rows the
+    tensor-core kernels.skinny (the q + kv_a pair as one call), more the torch path."""
+    from kernels import skinny
+
+    _, plain, _ = models
+    decode_kernels.enable(plain, max_rows=1, batched=True)
+    attn, mlp = plain.layers[0].self_attn, plain.layers[0].mlp
+    g = torch.Generator(device=attn.q_in.weight.device).manual_seed(0)
+    x = torch.randn(4, attn.q_in.weight.shape[1], generator=g, device=g.device)
+    q, kv = attn.pair_kernel(x)
+    sizes = [attn.q_in.weight.shape[0], attn.kv_a_proj_with_mqa.weight.shape[0]]
+    want = skinny.skinny_linear(x, torch.cat([attn.q_in.weight, attn.kv_a_proj_with_mqa.weight]), sizes)
+    assert torch.equal(q, want[0]) and torch.equal(kv, want[1])
+    h = torch.randn(3, mlp.down_proj.weight.shape[1], generator=g, device=g.device)
+    assert torch.equal(mlp.down_proj(h), skinny.skinny_linear(h, mlp.down_proj.weight))
+    assert torch.equal(mlp.down_proj(h[:1]), gemv.gemm_per_token(h[:1], mlp.down_proj.weight))
+    wide = torch.randn(skinny.MAX_M + 1, h.shape[1], generator=g, device=g.device)
+    assert torch.equal(mlp.down_proj(wide), torch.nn.functional.linear(wide, mlp.down_proj.weight))
+    assert attn.pair_kernel(torch.randn(skinny.MAX_M + 1, x.shape[1], generator=g, device=g.device)) is None

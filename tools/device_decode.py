@@ -167,7 +167,8 @@ def main() -> None:
             events = [e for e in prof.events() if e.device_type.name == "CUDA"]
             print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    print(f"\n{'variant':>34} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  tokens equal")
+    print(f"\n{'variant':>34} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  "
+          "tokens equal")
     for proj, batch, t0, t1, same in rows:
         print(f"{proj:>34} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
     print(json.dumps({"layers": a.layers, "rows": rows}))
