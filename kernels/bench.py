@@ -125,11 +125,12 @@ def skinny_main(variants: bool) -> None:
         w = torch.randn(sum(sizes), 2048, device="cuda", dtype=torch.bfloat16) * 2048**-0.5
         floor = w.numel() * 2 / bw * 1e6
         ref = x.double() @ w.double().T
+        segments = sizes if len(sizes) > 1 else None
 
         def row(name, fn_of_w, check=True):
             err = "-"
             if check:
-                y = torch.cat(fn_of_w(w), dim=1) if len(sizes) > 1 else fn_of_w(w)
+                y = torch.cat(fn_of_w(w), dim=1) if segments else fn_of_w(w)
                 err = f"{((y.double() - ref).norm() / ref.norm()).item():.1e}"
             streamed = streamed_us(fn_of_w, w)
             rows.append((f"{label}: {name}", streamed, marginal_us(fn_of_w, w), streamed / floor, err))
@@ -139,11 +140,11 @@ def skinny_main(variants: bool) -> None:
             for k, v in zip(SKINNY_KNOBS, variant):
                 setattr(skinny, k, v)
             row(f"skinny {variant}{' (chosen)' if variant == chosen else ''}",
-                lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
+                lambda wi: skinny.skinny_linear(x, wi, segments))
         for k, v in zip(SKINNY_KNOBS, chosen):
             setattr(skinny, k, v)
         with pdl.disabled():
-            row("skinny without PDL", lambda wi: skinny.skinny_linear(x, wi, sizes if len(sizes) > 1 else None))
+            row("skinny without PDL", lambda wi: skinny.skinny_linear(x, wi, segments))
     print(f"\nM={SKINNY_M} K=2048 bf16; floor = weight bytes at {bw / 1e12:.2f} TB/s; variants as {SKINNY_KNOBS}")
     print(f"{'kernel':48} {'streamed':>8} {'marginal':>8} {'x floor':>8} rel err  (us, medians)")
     for name, streamed, marginal, ratio, err in rows:

@@ -57,7 +57,7 @@ MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at 
 BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
 # Position chunks a (row, head), flash-decoding: up to SPLITS, until the core has about PROGRAMS programs. On an
 # H200 at batch 1 (16 programs unsplit) 4 chunks took the decode step from 2.53 to 2.39 ms; at batch 8 (128
-# programs) splitting gained nothing (engine/DECODE.md v7).
+# programs) splitting gained nothing (engine/DECODE.md v8).
 SPLITS = 4
 PROGRAMS = 64
 BLOCK_N = 64  # W_UK rows (of nope) per load in the q_lat kernel

@@ -21,6 +21,7 @@ ValueError.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,7 @@ from ._mma import mma
 
 MIN_M, MAX_M = 2, 16
 BLOCK_M = 16
-# Untuned beyond a few variants on an H200 (tools/device_decode.py --skinny); at DeepSeek-V2-Lite's q + kv_a
+# Untuned beyond a few variants on an H200 (python -m kernels.bench --skinny --variants); at DeepSeek-V2-Lite's q + kv_a
 # (N = 3648, K = 2048) BLOCK_N = 32 gives 114 programs, about one per SM.
 BLOCK_N = 32
 BLOCK_K = 256
@@ -111,7 +112,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, sizes: Sequence[int] | None 
         return fallback() if fallback is not None else _torch(x, w, sizes)
     parts = [w.shape[0]] if sizes is None else list(sizes)
     outs = [torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) for n in parts]
-    _launch(x, w, outs, [sum(parts[:i + 1]) for i in range(len(parts))])
+    _launch(x, w, outs, list(itertools.accumulate(parts)))
     return outs[0] if sizes is None else outs
 
 

@@ -140,13 +140,13 @@ def main() -> None:
             undo.append((mod, const, getattr(mod, const)))
             setattr(mod, const, type(getattr(mod, const))(value))
         dec = graph_decode.GraphDecode(model, projections)
-        projections = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
+        label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
         for batch in (1, 8):
             t_torch, tok_torch = torch_path[batch]
             model.graph_decode = dec
             t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
             same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
-            rows.append((projections, batch, t_torch, t_graph, "all" if same is None else f"first {same}"))
+            rows.append((label, batch, t_torch, t_graph, "all" if same is None else f"first {same}"))
         for mod, const, value in undo:
             setattr(mod, const, value)
 

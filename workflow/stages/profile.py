@@ -112,19 +112,26 @@ LAUNCH = "ordinary: programmatic dependent launch off, so each kernel's duration
 
 
 def _session(ckpt: Path, evidence: Path):
+    """(config, the engine session to capture), the session's kernels launched the ordinary way (LAUNCH)."""
+    from kernels import pdl
     from workflow.session import open_session
 
     config = read_config(evidence / "config.yaml")
-    return config, open_session(ckpt, evidence, "single", config.get("bench", {}).get("kernels", "torch"))
+    session = open_session(ckpt, evidence, "single", config.get("bench", {}).get("kernels", "torch"))
+
+    @contextlib.contextmanager
+    def ordinary():
+        with pdl.disabled(), session as s:
+            yield s
+
+    return config, ordinary()
 
 
 def worker(ckpt: Path, evidence: Path, out: Path) -> None:
     """Run under ncu/nsys: warm-up, then the decode steps inside the CUDA profiler API range; step times to `out`."""
-    from kernels import pdl
-
     config, session = _session(ckpt, evidence)
     cfg = config["nsight"]
-    with pdl.disabled(), session as s:  # LAUNCH says why
+    with session as s:
         ids = s.tokenizer.encode(cfg["prompt"]).ids
         decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True)  # warm-up: allocator, cuBLAS, Triton
         times = decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True, around=cuda_profiler_range())
@@ -274,11 +281,9 @@ def capture_torch(ckpt: Path, evidence: Path, tmp: Path, cuda: bool) -> tuple[di
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels import pdl
-
     config, session = _session(ckpt, evidence)
     cfg = config["nsight"]
-    with pdl.disabled(), session as s:  # LAUNCH says why
+    with session as s:
         ids = s.tokenizer.encode(cfg["prompt"]).ids
         decode_steps(s.model, ids, cfg["batch"], cfg["steps"], cuda)  # warm-up
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
