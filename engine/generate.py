@@ -6,6 +6,9 @@ prompts; the combined logits are identical on every rank, so every rank picks th
 
     python -m engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
     torchrun --nproc_per_node 2 -m engine.generate --backend host-staged --checkpoint DIR --prompt-ids 1,2,3
+
+``forced`` runs the same prefill and batched decode step teacher-forced: each step is fed a given token instead
+of the greedy pick, so the engine's logits can be compared with a reference along one shared token path.
 """
 from __future__ import annotations
 
@@ -39,6 +42,67 @@ def _pick(logits: torch.Tensor, argmax=None) -> tuple[list[int], list[float]]:
     return ids.tolist(), margins
 
 
+def _check_batch(prompts) -> None:
+    if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= MAX_BATCH:
+        n = len(prompts) if isinstance(prompts, (list, tuple)) else type(prompts).__name__
+        raise ValueError(f"batch size must be between 1 and {MAX_BATCH} prompts, got {n}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+
+
+def _check_length(model: Transformer, prompts, new_tokens: int) -> None:
+    limit = model.args.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if len(p) + new_tokens > limit:
+            raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {new_tokens} new tokens exceed "
+                             f"max_position_embeddings={limit}")
+
+
+def _cache(model: Transformer, rows: int, max_len: int) -> LatentCache:
+    graph = model.graph_decode
+    return graph.cache(rows, max_len) if graph is not None else LatentCache.for_model(model, rows, max_len)
+
+
+def _prefill(model: Transformer, cache: LatentCache, row: int, prompt: list[int]) -> torch.Tensor:
+    """One row's prompt into the cache -> logits [1, T, vocab]."""
+    device = model.embed_tokens.weight.device
+    return model(torch.tensor([list(prompt)], dtype=torch.long, device=device), cache, torch.tensor([row], device=device))
+
+
+def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[int]) -> torch.Tensor:
+    """One batched decode step -> logits [len(rows), vocab] of ``rows``; ``last`` holds every cache row's input
+    token (the graph step advances every row; the eager forward only ``rows``)."""
+    device = model.embed_tokens.weight.device
+    if model.graph_decode is not None:
+        return model.graph_decode.step(cache, torch.tensor(last, device=device))[rows]
+    tokens = torch.tensor([[last[r]] for r in rows], dtype=torch.long, device=device)
+    return model(tokens, cache, torch.tensor(rows, device=device))[:, -1]
+
+
+def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
+           observe: Callable[[torch.Tensor], None]) -> None:
+    """Teacher-forced pass: prefill each prompt (one row at a time, as ``generate``), then feed ``continuations``
+    through the batched decode step, every row each step, the given token instead of the greedy pick.
+
+    ``observe(logits)`` gets [B, T, vocab] logits: first of every prompt position (T = prompt length), then of
+    each decode step (T = 1). Position p predicts token p + 1 of prompt + continuation, so the last continuation
+    token is never fed. Prompts must share one length, and continuations another (rows advance together).
+    """
+    _check_batch(prompts)
+    if len({len(p) for p in prompts}) != 1 or len(continuations) != len(prompts) or \
+            len({len(c) for c in continuations}) != 1:
+        raise ValueError("forced: every row needs a prompt of the same length and a continuation of the same length")
+    steps = len(continuations[0])
+    _check_length(model, prompts, steps)
+    B = len(prompts)
+    with torch.inference_mode():  # the cache too: a graph step's cache is reset in place
+        cache = _cache(model, B, len(prompts[0]) + steps)
+        observe(torch.cat([_prefill(model, cache, r, p) for r, p in enumerate(prompts)]))
+        for i in range(steps - 1):
+            observe(_decode(model, cache, [c[i] for c in continuations], list(range(B)))[:, None])
+
+
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
              eos_token_id: int | list[int] | None = None,
              progress: Callable[[int, int], None] | None = None,
@@ -51,29 +115,16 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     ``stop(row, tokens)`` is called after each token a row emits (tokens: its generated ids so far); when it
     returns true the row stops there (a server's stop strings, streaming).
     """
-    if not isinstance(prompts, (list, tuple)) or not 1 <= len(prompts) <= MAX_BATCH:
-        n = len(prompts) if isinstance(prompts, (list, tuple)) else type(prompts).__name__
-        raise ValueError(f"batch size must be between 1 and {MAX_BATCH} prompts, got {n}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
+    _check_batch(prompts)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    limit = model.args.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {max_new_tokens} new tokens exceed "
-                             f"max_position_embeddings={limit}")
+    _check_length(model, prompts, max_new_tokens)
     eos = set() if eos_token_id is None else ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id))
     B = len(prompts)
     out = Generation(tokens=[[] for _ in range(B)], margins=[[] for _ in range(B)])
     if max_new_tokens == 0:
         return out
 
-    device = model.embed_tokens.weight.device
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    graph = model.graph_decode  # decodes every row each step (a finished row's results are not read)
-    cache = graph.cache(B, max_len) if graph is not None else LatentCache.for_model(model, B, max_len)
     done = [False] * B
 
     def emit(rows: list[int], logits: torch.Tensor) -> None:
@@ -86,23 +137,17 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                 done[r] = True
 
     with torch.inference_mode():
+        cache = _cache(model, B, max(len(p) for p in prompts) + max_new_tokens)
         for r, p in enumerate(prompts):  # prefill, one row at a time
-            tokens = torch.tensor([list(p)], dtype=torch.long, device=device)
-            logits = model(tokens, cache, torch.tensor([r], device=device))
-            emit([r], logits[:, -1])
+            emit([r], _prefill(model, cache, r, p)[:, -1])
         if progress is not None:
             progress(1, max_new_tokens)
         for step in range(2, max_new_tokens + 1):
             active = [r for r in range(B) if not done[r]]
             if not active:
                 break
-            if graph is not None:
-                logits = graph.step(cache, torch.tensor([t[-1] for t in out.tokens], device=device))
-                emit(active, logits[active])
-            else:
-                tokens = torch.tensor([[out.tokens[r][-1]] for r in active], dtype=torch.long, device=device)
-                logits = model(tokens, cache, torch.tensor(active, device=device))
-                emit(active, logits[:, -1])
+            # a finished row's last token still feeds the graph step; its results are not read
+            emit(active, _decode(model, cache, [t[-1] for t in out.tokens], active))
             if progress is not None:
                 progress(step, max_new_tokens)
     return out

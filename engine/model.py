@@ -190,7 +190,9 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, pe_all.to(x.dtype)[:, :, None].expand(B, L, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
 
-        scores = torch.einsum("bthd,bshd->bhts", q, k) * self.scale
+        # scores in fp32, as transformers' default (sdpa) and the graph path's kernel keep them: rounded to bf16
+        # they made the torch path's bf16 error 1.22x transformers' at DeepSeek-V2-Lite shape (DECODE.md)
+        scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, H * self.v_dim)
@@ -244,8 +246,10 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.route(flat)
-        # single device: accumulate in the model dtype (as HF); expert parallel: an fp32 partial per rank
-        out = torch.zeros_like(flat, dtype=flat.dtype if self.ep is None else torch.float32)
+        # the weighted sum over the chosen experts in fp32, rounded once, as transformers' default experts path
+        # (grouped_mm); under expert parallelism this is the rank's partial. Rounding after each expert's add
+        # instead made the engine's bf16 error 1.25x transformers' at DeepSeek-V2-Lite shape (top-6; DECODE.md).
+        out = torch.zeros_like(flat, dtype=torch.float32)
         for e in torch.unique(idx).tolist():  # ascending expert order, as HF
             if str(e) not in self.experts:
                 continue  # another rank's expert
@@ -253,8 +257,8 @@ class MoE(nn.Module):
             y = self.experts[str(e)](flat[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         if self.ep is not None:
-            out = self.ep.combine(out).to(x.dtype)
-        out = out.view(shape)
+            out = self.ep.combine(out)
+        out = out.to(x.dtype).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -223,21 +223,23 @@ def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
     assert json.loads((ev / "stages/checkpoint.json").read_text())["status"] == "failed"
 
 
-def test_require_exact_fails_after_sealing_a_real_divergence(tmp_path):
+def test_accuracy_gap_fails_the_run_after_sealing_a_real_divergence(tmp_path):
     """transformers' native DeepseekV2 ignores norm_topk_prob; the engine follows DeepSeek's
-    reference semantics, so this config makes the two implementations really disagree."""
+    reference semantics, so this config makes the two implementations really disagree. The gate fails on the
+    defect itself, with or without `parity.require_exact`."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["checkpoint"]["config"]
     cfg["norm_topk_prob"] = True
-    r = snakemake(tmp_path, "--configfile",
-                  str(campaign(tmp_path, **{"checkpoint.config": cfg, "parity.require_exact": True})))
+    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path, **{"checkpoint.config": cfg})))
     assert r.returncode != 0
-    assert "require_exact" in r.stdout + r.stderr
+    assert "engine_accuracy_gap" in r.stdout + r.stderr
     ev = only_evidence_dir(tmp_path, "e2e")
     manifest = json.loads((ev / MANIFEST).read_text())  # sealed before the gate failed
     assert manifest["verdict"] == "engine_accuracy_gap"
     div = json.loads((ev / "parity/comparison.json").read_text())["first_divergence"]
     assert div["case"] == "greeting" and div["oracle_token"] != div["engine_token"]
     assert div["oracle_margin"] >= 1e-4
+    cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
+    assert all(not c["logic"]["pass"] for c in cells)  # the teacher-forced float32 run sees it too
 
 
 def test_snakemake_lint_has_only_the_justified_finding(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 from dataclasses import dataclass
@@ -56,6 +57,20 @@ class Session:
     eos: list[int]
     ep: object | None
     kernels: str
+    checkpoint: Path | None = None
+
+    def reload(self, dtype: str) -> None:
+        """Swap the model for the same checkpoint and decode path in another dtype (the old one is freed first)."""
+        graph = self.model.graph_decode
+        if graph is not None:  # its stacks and captured graphs hold device memory of their own
+            graph.release()
+            graph.stacks.clear()
+        self.model.to("meta")
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.model = load_engine(self.checkpoint, self.device, dtype, self.ep, self.kernels)
 
     @property
     def primary(self) -> bool:
@@ -90,6 +105,19 @@ def engine_stage(kind: str, args: argparse.Namespace):
         yield st, s
 
 
+def load_engine(ckpt_dir: Path, device: str, dtype: str, ep, kernels: str):
+    """The engine in ``dtype`` with its decode path: the Triton kernels when kernels is `triton`, the CUDA-graph
+    step when `graph`."""
+    model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[dtype], ep=ep)
+    if kernels != "torch" and device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if kernels == "triton":
+        decode_kernels.enable(model)
+    elif kernels == "graph":
+        graph_decode.enable(model)
+    return model
+
+
 @contextlib.contextmanager
 def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "torch"):
     """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
@@ -117,14 +145,8 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
         ep = init_from_env(backend, device)
         device = str(ep.device)
     try:
-        model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[config["dtype"]], ep=ep)
-        if kernels != "torch" and device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly)
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        if kernels == "triton":
-            decode_kernels.enable(model)
-        elif kernels == "graph":
-            graph_decode.enable(model)
-        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels)
+        model = load_engine(ckpt_dir, device, config["dtype"], ep, kernels)
+        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels, ckpt_dir)
     finally:
         if ep is not None:
             ep.close()

@@ -1,11 +1,12 @@
-# Engine runs per backend and kernels setting (one job loops over the batch sizes), then the comparison
-# against the oracle.
+# Engine runs per backend and kernels setting (one job loops over the batch sizes; each is also teacher-forced
+# along the oracle's traces), then the comparison against the oracle.
 
 
 rule parity:
     input:
         ckpt=CKPT,
         record=rules.record_checkpoint.output,
+        oracle=rules.oracle.output,
     output:
         [f"{E}/parity/{{run}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:

@@ -1,10 +1,18 @@
-"""Stage `compare`: the parity verdict of every backend and batch size against the HF oracle.
+"""Stage `compare`: the parity verdict of every backend, decode path and batch size against the HF oracle.
 
-Order of checks: stored hashes must match their ids (else an error), rows of a batch must be
-identical (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`),
-first divergence at an oracle margin below the dtype's noise (`near_tie_divergence`), or above it
-(`engine_accuracy_gap`). Separately, the two expert-parallel transports must agree token for token
-(`transport_regression` otherwise). The worst verdict over all cells is the campaign's.
+Free-running: stored hashes must match their ids (else an error), rows of a batch must be identical
+(`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`), first divergence at an
+oracle margin below the dtype's noise (`near_tie_divergence`), or above it (`engine_accuracy_gap`). A free-running
+trace says nothing after its first divergence, and in bf16 small logic bugs hide under the rounding, so two
+checks along the oracle's trace (teacher-forced, every row) decide too:
+
+- logic check: the engine in float32 against the float32 oracle, max |Δ log-prob| over the oracle's top-k at
+  every position within `parity.logic_tolerance`, else `engine_accuracy_gap` naming the first position out;
+- precision check (bf16, fp16 campaigns): the engine's mean |Δ| against the float32 oracle in the campaign's
+  dtype over transformers' own in that dtype, at most `parity.precision_bound`, else `precision_regression`.
+
+Rows of a batch must agree in the forced runs too. Separately, the two expert-parallel transports must agree
+token for token (`transport_regression` otherwise). The worst verdict over all cells is the campaign's.
 """
 
 from __future__ import annotations
@@ -13,16 +21,23 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
+from workflow import logprobs
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
+from workflow.logprobs import REFERENCE_DTYPE
 from workflow.traces import first_difference, token_at
+from workflow.verdicts import SEVERITY
 
 # Below these top-1/top-2 margins two correct implementations may pick different tokens. For bf16,
 # 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the engine disagreed
 # with itself across batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
 NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
-SEVERITY = ["all_token_text_exact", "near_tie_divergence", "engine_accuracy_gap", "transport_regression",
-            "batch_row_mismatch"]
 TRANSPORTS = ("host-staged", "collective")
+# The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
+# "Parity": 8x the largest float32 noise measured, and between transformers' own bf16 error and a low-dtype norm's.
+LOGIC_TOLERANCE = 5e-3
+PRECISION_BOUND = 1.15
 
 
 class HashMismatch(ValueError):
@@ -55,6 +70,91 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     return verdict, div
 
 
+def _position(oracle: dict, p: int) -> dict:
+    """Where position p of the path is: the step of the generation it predicts (negative inside the prompt)."""
+    return {"position": p, "step": p - (len(oracle["prompt_ids"]) - 1)}
+
+
+def forced_rows(oracle: dict, case: dict, dtype: str, where: str) -> list[dict]:
+    """Each row's errors against the float32 reference (logprobs.errors), from the case's forced run in dtype."""
+    run = case.get("forced", {}).get(dtype)
+    if run is None:
+        raise HashMismatch(f"{where}: no teacher-forced run in {dtype}")
+    try:
+        return [logprobs.errors(oracle["reference"], row["ref_logprobs"], [ids[0] for ids in row["top_ids"]])
+                for row in run["rows"]]
+    except ValueError as e:
+        raise HashMismatch(f"{where}: the {dtype} teacher-forced run does not follow the oracle's path: {e}") from e
+
+
+def forced_row_mismatch(oracle: dict, case: dict, dtype: str, tol: float) -> dict | None:
+    """Rows of a same-prompt batch along one forced path: the same top-1 and log-probs within tol of row 0's."""
+    run = case["forced"][dtype]["rows"]
+    first = torch.tensor(run[0]["ref_logprobs"], dtype=torch.float64)
+    for r, row in enumerate(run[1:], 1):
+        apart = (torch.tensor(row["ref_logprobs"], dtype=torch.float64) - first).abs().amax(-1)
+        top1 = [a[0] == b[0] for a, b in zip(run[0]["top_ids"], row["top_ids"])]
+        bad = [p for p in range(len(top1)) if not top1[p] or apart[p] > tol]
+        if bad:
+            p = bad[0]
+            return {"case": case["name"], "row": r, "dtype": dtype, **_position(oracle, p), "forced": True,
+                    "row0_token": run[0]["top_ids"][p][0], "row_token": row["top_ids"][p][0],
+                    "max_abs_logprob_delta": float(apart[p]), "tolerance": tol}
+    return None
+
+
+def logic_check(oracle: dict, case: dict, rows: list[dict], tol: float) -> dict:
+    """The float32 run's stats, and the first (position, row) whose |Δ| over the top-k exceeds tol."""
+    out = {**logprobs.stats(rows), "tolerance": tol, "first_out": None}
+    for p in range(len(oracle["reference"]["top_ids"])):
+        for r, e in enumerate(rows):
+            if float(e["delta"][p].max()) > tol:
+                k = int(e["delta"][p].argmax())
+                got = case["forced"][REFERENCE_DTYPE]["rows"][r]["ref_logprobs"][p][k]
+                out["first_out"] = {"case": case["name"], "row": r, **_position(oracle, p),
+                                    "token": oracle["reference"]["top_ids"][p][k],
+                                    "oracle_logprob": oracle["reference"]["top_logprobs"][p][k],
+                                    "engine_logprob": got, "abs_delta": float(e["delta"][p][k]), "tolerance": tol}
+                return {**out, "pass": False}
+    return {**out, "pass": True}
+
+
+def check_forced(oracle: dict, case: dict, dtype: str, tol: float, where: str) -> tuple[str | None, dict | None,
+                                                                                     dict | None, list]:
+    """One case's forced runs: (failing verdict or None, its detail, the logic check, the float32 rows' errors).
+    Rows of the batch must agree in every dtype's run; then the float32 run must stay within tol."""
+    for d in dict.fromkeys([dtype, REFERENCE_DTYPE]):
+        if (m := forced_row_mismatch(oracle, case, d, tol)) is not None:
+            return "batch_row_mismatch", m, None, []
+    rows = forced_rows(oracle, case, REFERENCE_DTYPE, where)
+    logic = logic_check(oracle, case, rows, tol)
+    return None if logic["pass"] else "engine_accuracy_gap", logic["first_out"], logic, rows
+
+
+def precision_check(oracle: dict, run: dict, dtype: str, bound: float) -> dict:
+    """The engine's error against the float32 reference in the campaign's dtype, over transformers' own."""
+    if dtype == REFERENCE_DTYPE:
+        return {"applies": False, "reason": "a float32 campaign: the logic check is its precision check"}
+    engine, hf, ratios = [], [], {}
+    by_name = {c["name"]: c for c in oracle["cases"]}
+    for case in run["cases"]:
+        o = by_name[case["name"]]
+        mine = forced_rows(o, case, dtype, f"{label(run)} case {case['name']}")
+        theirs = logprobs.errors(o["reference"], o["same_dtype"]["ref_logprobs"], o["same_dtype"]["top1"])
+        engine += mine
+        hf.append(theirs)
+        ratios[case["name"]] = _ratio(logprobs.stats(mine)["mean"], logprobs.stats([theirs])["mean"])
+    e, h = logprobs.stats(engine), logprobs.stats(hf)
+    ratio = _ratio(e["mean"], h["mean"])
+    return {"applies": True, "dtype": dtype, "engine": e, "transformers": h, "ratio": ratio, "bound": bound,
+            "case_ratios": ratios, "pass": ratio is not None and ratio <= bound}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b; None (undefined, and failing) where transformers made no error and the engine did."""
+    return a / b if b > 0 else (1.0 if a == 0 else None)
+
+
 def kernels_of(run: dict) -> str:
     return run.get("kernels", "torch")
 
@@ -84,28 +184,52 @@ def transport_cells(runs: list[dict]) -> list[dict]:
     return out
 
 
-def compare(oracle: dict, runs: list[dict], near_tie: float) -> dict:
+def compare(oracle: dict, runs: list[dict], near_tie: float, logic_tolerance: float = LOGIC_TOLERANCE,
+            precision_bound: float = PRECISION_BOUND) -> dict:
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
         check_hashes(f"oracle case {c['name']}", c)
-    cells = []
+    cells, forced = [], []
     for run in runs:
         names = sorted(c["name"] for c in run["cases"])
         if names != sorted(by_name):
             raise HashMismatch(f"{label(run)}: cases {names} differ from the oracle's {sorted(by_name)}")
+        logic = []
         for case in run["cases"]:
             for r, row in enumerate(case["rows"]):
                 check_hashes(f"{label(run)} case {case['name']} row {r}", row)
+            for dtype in dict.fromkeys([oracle["dtype"], REFERENCE_DTYPE]):  # present even where not decisive
+                forced_rows(by_name[case["name"]], case, dtype, f"{label(run)} case {case['name']}")
             verdict, div = compare_case(by_name[case["name"]], case, near_tie)
+            checked = None
+            if verdict != "batch_row_mismatch":  # the forced checks decide unless the free run is already worse
+                bad, detail, checked, rows = check_forced(by_name[case["name"]], case, oracle["dtype"], logic_tolerance,
+                                                          f"{label(run)} case {case['name']}")
+                logic += rows
+                if bad is not None and SEVERITY.index(bad) > SEVERITY.index(verdict):
+                    verdict, div = bad, detail
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
-                          "verdict": verdict, "first_divergence": div})
+                          "verdict": verdict, "first_divergence": div, "logic": checked})
+        precision = precision_check(oracle, run, oracle["dtype"], precision_bound)
+        forced.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"],
+                       "logic": {**logprobs.stats(logic), "tolerance": logic_tolerance} if logic else None,
+                       "precision": precision})
+        if precision.get("pass") is False:
+            cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": "all",
+                          "verdict": "precision_regression", "first_divergence": {
+                              "cell": label(run), "dtype": oracle["dtype"], "engine_mean": precision["engine"]["mean"],
+                              "transformers_mean": precision["transformers"]["mean"], "ratio": precision["ratio"],
+                              "bound": precision_bound}})
     cells += transport_cells(runs)
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],
         "near_tie_margin": near_tie,
+        "logic_tolerance": logic_tolerance,
+        "precision_bound": precision_bound,
         "cells": cells,
+        "forced": forced,
     }
 
 
@@ -115,15 +239,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="parity/<run>-b<B>.json files")
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
-    margin = config["parity"].get("near_tie_margin")
+    parity = config["parity"]
+    margin = parity.get("near_tie_margin")
     near_tie = NEAR_TIE[config["dtype"]] if margin is None else margin
+    tol, bound = parity["logic_tolerance"], parity["precision_bound"]
     try:
-        with Stage(args.evidence, "compare", params={"near_tie_margin": near_tie}) as st:
-            result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie)
+        with Stage(args.evidence, "compare", params={"near_tie_margin": near_tie, "logic_tolerance": tol,
+                                                     "precision_bound": bound}) as st:
+            result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie,
+                             tol, bound)
             st.write_json("parity/comparison.json", result)
             st.tags["verdict"] = result["verdict"]
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
             st.metrics["cells"] = len(result["cells"])
+            logic = [f["logic"]["max"] for f in result["forced"] if f["logic"]]
+            if logic:
+                st.metrics["logic_max_abs_delta"] = max(logic)
+            ratios = [f["precision"]["ratio"] for f in result["forced"] if f["precision"].get("ratio") is not None]
+            if ratios:
+                st.metrics["precision_ratio_max"] = max(ratios)
             print(f"[compare] verdict {result['verdict']} ({int(st.metrics['cells_exact'])}/{len(result['cells'])} cells exact)", flush=True)
     except HashMismatch as e:
         sys.exit(f"[compare] error: {e}")

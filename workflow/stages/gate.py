@@ -1,4 +1,6 @@
-"""Stage `gate`: after sealing, fail the run when `parity.require_exact` and the verdict is not exact, or when
+"""Stage `gate`: after sealing, fail the run when the parity verdict names a defect (workflow/verdicts.py:
+an accuracy gap, a precision regression, a transport regression, rows of a batch that differ), or is not exact
+under `parity.require_exact`, or when
 the overlap A/B screen (overlap/screen.json, if sealed in the directory) found outputs of A and B that differ,
 or the kernel resource audit (kernels/audit.json) found a kernel that spills registers, or the GSM8K quality gate
 (quality/gsm8k64-gate.json) did not pass."""
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 from workflow.evidence import MANIFEST, read_config, read_json, write_json
+from workflow.verdicts import DEFECTS
 
 OVERLAP = "overlap/screen.json"
 AUDIT = "kernels/audit.json"
@@ -27,6 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     overlap = read_json(args.evidence / OVERLAP)["verdict"] if OVERLAP in manifest["files"] else None
     audit = read_json(args.evidence / AUDIT)["verdict"] if AUDIT in manifest["files"] else None
     quality = read_json(args.evidence / QUALITY) if QUALITY in manifest["files"] else None
+    if verdict in DEFECTS:
+        first = read_json(args.evidence / "parity/comparison.json")["first_divergence"]
+        sys.exit(f"[gate] the parity verdict is {verdict} (first: {first}; see parity/comparison.json); "
+                 f"the evidence is sealed in {args.evidence}")
     if config["parity"]["require_exact"] and verdict != "all_token_text_exact":
         sys.exit(f"[gate] parity.require_exact is set and the verdict is {verdict}; the evidence is sealed in {args.evidence}")
     if overlap == "bitwise_mismatch":

@@ -2,6 +2,13 @@
 
 Writes oracle/hf.json: per case the prompt ids, generated ids, decoded text, their hashes and
 the top-1/top-2 logit margin at every step, which decides later whether a divergence is a near-tie.
+
+Along each greedy trace (prompt plus generated ids, one forward) it also records the reference log-probs the
+engine's teacher-forced runs are held to: at every position the top-k ids (`parity.top_k`) and their
+log-probabilities, computed in float32 whatever the campaign's dtype. For a bf16 or fp16 campaign that is a
+second load of the same checkpoint in float32, on the campaign's device where it fits, else on the CPU; the
+campaign-dtype model's own log-probs of those ids are kept beside it (transformers' own rounding error, the
+yardstick of the precision check).
 """
 
 from __future__ import annotations
@@ -12,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from workflow import checkpoints, environment
+from workflow import checkpoints, environment, logprobs
+from workflow.logprobs import REFERENCE_DTYPE
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
-
-
 
 
 def load(ckpt_dir: Path, dtype: str, device: str):
@@ -29,6 +35,29 @@ def load(ckpt_dir: Path, dtype: str, device: str):
     if bad:  # a silent random init of a missing tensor would make the oracle meaningless
         raise checkpoints.CheckpointInvalid(f"transformers could not load {ckpt_dir} cleanly: {bad}")
     return tok, model.to(device).eval()
+
+
+def free(model) -> None:
+    model.to("meta")  # drops the weights now, not when the last reference goes
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def reference_device(model, device: str) -> tuple[str, str]:
+    """Where the float32 reference fits: (device, why). Called with the campaign-dtype model still loaded."""
+    if not device.startswith("cuda") or model.dtype == torch.float32:
+        return device, "the campaign's device"
+    need = sum(p.numel() for p in model.parameters()) * 4
+    have = torch.cuda.mem_get_info()[0] + sum(p.numel() * p.element_size() for p in model.parameters())
+    if need * 1.1 < have:  # 10% for activations of one forward of a short path
+        return device, "the campaign's device"
+    return "cpu", f"the CPU: float32 weights ({need / 2**30:.1f} GiB) do not fit the {have / 2**30:.1f} GiB free on {device}"
+
+
+@torch.inference_mode()
+def path_logits(model, ids: list[int], device: str) -> torch.Tensor:
+    """Logits [T - 1, vocab] of one forward over the path: position p predicts ids[p + 1]."""
+    return model(torch.tensor([ids], device=device)).logits[0, :-1].float().cpu()
 
 
 def decode(tok, ids: list[int]) -> str:
@@ -67,16 +96,28 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
+    top_k = config["parity"]["top_k"]
     try:
-        with Stage(args.evidence, "oracle", params={"dtype": config["dtype"], "device": device}) as st:
+        with Stage(args.evidence, "oracle", params={"dtype": config["dtype"], "device": device, "top_k": top_k}) as st:
             checkpoints.verify(args.checkpoint, read_json(args.evidence / "checkpoint.json"))
             torch.manual_seed(0)
             tok, model = load(args.checkpoint, config["dtype"], device)
-            cases = []
+            cases, same = [], []
             for i, case in enumerate(config["cases"], 1):
                 cases.append(run_case(tok, model, case, device))
+                same.append(path_logits(model, cases[-1]["prompt_ids"] + cases[-1]["generated_ids"], device))
                 print(f"[oracle] case {i}/{len(config['cases'])} {case['name']}: {len(cases[-1]['generated_ids'])} tokens, "
                       f"min margin {min(cases[-1]['margins'], default=float('nan')):.4g}", flush=True)
+            ref_device, where = reference_device(model, device)
+            if config["dtype"] != REFERENCE_DTYPE:
+                free(model)
+                print(f"[oracle] float32 reference on {where}", flush=True)
+                _, model = load(args.checkpoint, REFERENCE_DTYPE, ref_device)
+            for case, logits in zip(cases, same):
+                ref = path_logits(model, case["prompt_ids"] + case["generated_ids"], ref_device)
+                case["reference"] = logprobs.reference(ref, top_k)
+                if config["dtype"] != REFERENCE_DTYPE:  # transformers' own log-probs in the campaign's dtype
+                    case["same_dtype"] = logprobs.at(logits, case["reference"]["top_ids"])
             import transformers
 
             st.write_json("oracle/hf.json", {
@@ -84,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                 "dtype": config["dtype"],
                 "device": device,
+                "reference": {"dtype": REFERENCE_DTYPE, "device": ref_device, "where": where, "top_k": top_k,
+                              "path": "prompt + generated ids, one forward; position p predicts token p + 1"},
                 "cases": cases,
             })
             st.metrics["tokens"] = sum(len(c["generated_ids"]) for c in cases)

@@ -1,9 +1,14 @@
 """Stage `parity`: the engine's own greedy generation, `batch` copies of each case's prompt.
 
-For each batch size B writes parity/<run>-b<B>.json (run: the backend, `-triton` added for the engine's
-Triton decode path) with every row's ids, text and hashes.
+For each batch size B writes parity/<run>-b<B>.json (run: the backend, `-triton` or `-graph` added for the
+engine's Triton or CUDA-graph decode path) with every row's ids, text and hashes.
 Rows of a same-prompt batch must be identical; the comparison stage checks that first. EP
 backends run under torchrun; rank 0 writes.
+
+Each batch also runs teacher-forced along the oracle's trace (oracle/hf.json: its prompt and generated ids)
+through the same prefill, batched decode step and kernels, every row: per row and position the engine's
+log-probs of the oracle reference's top-k ids and its own top-k. That runs in the campaign's dtype and, for a
+bf16 or fp16 campaign, again in float32 (the model loaded a second time), the logic check's run.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import sys
 import torch
 
 from engine.checkpoint import CheckpointError
-from engine.generate import generate
+from engine.generate import forced, generate
+from workflow import logprobs
+from workflow.logprobs import REFERENCE_DTYPE
 from workflow.checkpoints import CheckpointInvalid
-from workflow.evidence import text_sha256, token_sha256
+from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.traces import first_difference, token_at
 from workflow.session import Session, engine_args, engine_stage, run_name
 
@@ -47,16 +54,47 @@ def run_batch(s: Session, batch: int, label: str) -> list[dict]:
     return out
 
 
+def run_forced(s: Session, oracle: dict, batch: int) -> dict[str, dict]:
+    """Per case: every row's log-probs along the oracle's trace, teacher-forced, in the model's dtype now."""
+    out = {}
+    for case in oracle["cases"]:
+        rows = logprobs.Positions(oracle["reference"]["top_k"], case["reference"]["top_ids"])
+        forced(s.model, [case["prompt_ids"]] * batch, [case["generated_ids"]] * batch, rows)
+        out[case["name"]] = {"rows": rows.rows}
+    return out
+
+
+def dtypes_of(config: dict) -> list[str]:
+    """The campaign's dtype, then float32 (the logic check's run) unless that is the campaign's."""
+    return list(dict.fromkeys([config["dtype"], REFERENCE_DTYPE]))
+
+
+def run_record(s: Session, batch: int, cases: list[dict], forced_runs: dict[str, dict]) -> dict:
+    """parity/<run>-b<B>.json: the free-running cases, each with its forced runs per dtype."""
+    for case in cases:
+        case["forced"] = {dtype: runs[case["name"]] for dtype, runs in forced_runs.items()}
+    return {"engine": "evident engine (engine/)", **s.params, "batch": batch, "cases": cases}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = engine_args(__doc__).parse_args(argv)
     try:
         with engine_stage("parity", args) as (st, s):
+            oracle = read_json(args.evidence / "oracle/hf.json")  # the forced runs follow its traces
+            dtypes, runs = dtypes_of(s.config), {}
             for batch in args.batch_sizes:
                 label = f"{run_name(args.backend, args.kernels)}-b{batch}"
-                cases = run_batch(s, batch, label)
-                st.write_json(f"parity/{label}.json", {"engine": "evident engine (engine/)", **s.params,
-                                                        "batch": batch, "cases": cases})
+                runs[batch] = (label, run_batch(s, batch, label), {dtypes[0]: run_forced(s, oracle, batch)})
+            for dtype in dtypes[1:]:  # the logic check's run, after the campaign dtype's model is freed
+                s.reload(dtype)
+                for batch in args.batch_sizes:
+                    runs[batch][2][dtype] = run_forced(s, oracle, batch)
+            for batch, (label, cases, forced_runs) in runs.items():
+                record = run_record(s, batch, cases, forced_runs)
+                st.write_json(f"parity/{label}.json", record)
                 st.metrics[f"b{batch}_rows_identical"] = float(all(c["rows_identical"] for c in cases))
+                if s.primary:
+                    print(f"[parity {label}] teacher-forced along the oracle's traces in {', '.join(dtypes)}", flush=True)
     except (CheckpointError, CheckpointInvalid) as e:
         sys.exit(f"[parity {run_name(args.backend, args.kernels)}] error: {e}")
 

@@ -1,0 +1,82 @@
+"""Small known engine bugs, applied to a scratch copy of `engine/` (never to the tree under test).
+
+Each mutant is one textual edit of `engine/model.py`. The logic mutants change the maths a little (each moves
+the logits by well under 1%); the precision mutant changes only the dtype of a reduction, so in float32 it is
+no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
+`applied(model, name)` swaps the mutated classes into an engine already loaded (tools/device_parity.py: one
+load of a 15.7B-parameter model serves every mutant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name: (kind, what it breaks, old text, new text)
+MUTANTS = {
+    "norm_eps_x100": ("logic", "RMSNorm epsilon x 100",
+                      "torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)",
+                      "torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps * 100)"),
+    "softmax_scale_x1.01": ("logic", "attention softmax scale x 1.01",
+                            "scores = torch.einsum(\"bthd,bshd->bhts\", q.float(), k.float()) * self.scale",
+                            "scores = torch.einsum(\"bthd,bshd->bhts\", q.float(), k.float()) * (self.scale * 1.01)"),
+    "route_drop_smallest": ("logic", "routing: the smallest selected expert's weight zeroed",
+                            "weights, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)",
+                            "weights, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)\n"
+                            "        weights = weights.scatter(-1, weights.argmin(-1, keepdim=True), 0.0)"),
+    "shared_experts_x0.98": ("logic", "shared experts' output x 0.98",
+                             "out = out + self.shared_experts(x)", "out = out + 0.98 * self.shared_experts(x)"),
+    "decode_skips_pos1": ("logic", "decode attention skips cache position 1",
+                          "freqs_cis = self.freqs_cis(pos)",
+                          "mask = mask.clone()\n        if T == 1 and length > 2:\n            mask[..., 1] = False\n"
+                          "        freqs_cis = self.freqs_cis(pos)"),
+    "yarn_hard_ramp": ("logic", "rope: yarn's linear ramp replaced by a step",
+                       "extrapolation_factor = 1 - ramp", "extrapolation_factor = 1 - (ramp > 0.5).float()"),
+    "norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
+                          "h = x.float()\n", "h = x\n"),
+}
+LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
+PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
+
+
+def mutated_source(name: str) -> str:
+    _, _, old, new = MUTANTS[name]
+    text = (REPO / "engine/model.py").read_text()
+    if text.count(old) != 1:  # the engine moved on: the mutant must be rewritten, not silently skipped
+        raise AssertionError(f"mutant {name}: {old!r} occurs {text.count(old)} times in engine/model.py")
+    return text.replace(old, new)
+
+
+def scratch(root: Path, name: str | None) -> Path:
+    """A copy of `engine/` under root, with mutant `name` applied (None: unmutated). Returns root."""
+    dst = root / "engine"
+    shutil.copytree(REPO / "engine", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    if name is not None:
+        (dst / "model.py").write_text(mutated_source(name))
+    return root
+
+
+@contextlib.contextmanager
+def applied(model, name: str):
+    """Within the block, every module of the loaded engine ``model`` runs the mutated engine/model.py's class
+    of its name, and the rope tables are the mutated ones."""
+    import engine.model
+
+    mod = types.ModuleType("engine.model_mutant")
+    mod.__package__ = "engine"
+    exec(compile(mutated_source(name), f"engine/model.py ({name})", "exec"), mod.__dict__)
+    saved = [(m, type(m)) for m in model.modules() if type(m).__module__ == engine.model.__name__]
+    rope = model.inv_freq, model.attention_scaling
+    try:
+        for m, cls in saved:
+            m.__class__ = getattr(mod, cls.__name__)
+        model.inv_freq, model.attention_scaling = mod.rope_inv_freq(model.args)
+        yield
+    finally:
+        for m, cls in saved:
+            m.__class__ = cls
+        model.inv_freq, model.attention_scaling = rope

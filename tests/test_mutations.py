@@ -1,0 +1,115 @@
+"""Sensitivity of the parity checks, kept measured: small known bugs (tests/mutants.py) applied one at a time to a
+scratch copy of the engine must each fail the check that claims to see them, in a float32 campaign and in a
+bfloat16 campaign (through its float32 run), while the unmutated engine passes everything.
+
+One float32 and one bfloat16 evidence directory (tiny model, checkpoint and oracle) are shared; each mutant runs
+the parity stage (single device, batches 1 and 2) and the comparison in one subprocess for both. `pytest -s`
+prints the table of figures against the tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mutants
+import tinyev
+import yaml
+from workflow.evidence import read_json
+from workflow.verdicts import DEFECTS
+
+pytestmark = pytest.mark.slow
+DTYPES = ("float32", "bfloat16")
+# the shipped defaults (tolerance, bound, top-k), on the single backend at batches 1 and 2
+PARITY = {**tinyev.defaults(yaml.safe_load((mutants.REPO / "config/schema.yaml").read_text())["properties"]["parity"]),
+          "batch_sizes": [1, 2], "backends": ["single"], "kernels": ["torch"]}
+# runs in the scratch directory, so that `engine` is the mutated copy (first on PYTHONPATH), never the tree's
+RUN = """
+import sys
+import engine
+assert engine.__file__.startswith(sys.argv[1]), engine.__file__
+from workflow.stages import compare, parity
+for ckpt, ev in zip(sys.argv[2::2], sys.argv[3::2]):
+    parity.main(["--checkpoint", ckpt, "--evidence", ev, "--backend", "single", "--batch-sizes", "1,2"])
+    compare.main(["--evidence", ev, ev + "/parity/single-b1.json", ev + "/parity/single-b2.json"])
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """{mutant or None: {dtype: comparison.json}}"""
+    from workflow.stages import oracle
+
+    root = tmp_path_factory.mktemp("mutations")
+    shared = {}
+    for dtype in DTYPES:
+        ckpt, ev = tinyev.make(root / dtype, tinyev.config(dtype=dtype, parity=PARITY))
+        oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+        shared[dtype] = (ckpt, ev)
+    out = {}
+    for name in [None, *mutants.MUTANTS]:
+        work = root / f"mutant-{name}"
+        src = mutants.scratch(work / "src", name)
+        args = []
+        for dtype, (ckpt, ev) in shared.items():
+            shutil.copytree(ev, work / dtype, ignore=shutil.ignore_patterns("parity"))
+            args += [str(ckpt), str(work / dtype)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(mutants.REPO)])}
+        p = subprocess.run([sys.executable, "-c", RUN, str(src), *args], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, f"mutant {name}: {p.stderr[-3000:]}"
+        out[name] = {dtype: read_json(work / dtype / "parity/comparison.json") for dtype in DTYPES}
+    _print_table(out)
+    return out
+
+
+def _print_table(out: dict) -> None:
+    print(f"\nmutant | campaign | verdict | logic max |Δ| (tol {PARITY['logic_tolerance']:g}) | precision ratio "
+          f"(bound {PARITY['precision_bound']:g})")
+    for name, by in out.items():
+        for dtype, r in by.items():
+            f = r["forced"][0]
+            ratio = f"{f['precision']['ratio']:.3f}" if f["precision"]["applies"] else "n/a"
+            print(f"{name or 'none'} | {dtype} | {r['verdict']} | {f['logic']['max']:.3g} | {ratio}")
+
+
+def _logic(r: dict) -> list[dict]:
+    return [f["logic"] for f in r["forced"]]
+
+
+def test_unmutated_engine_passes_both_checks_in_both_campaigns(results):
+    assert results[None]["float32"]["verdict"] == "all_token_text_exact"
+    for dtype, r in results[None].items():  # bf16 rounding may part the free-running traces at a near-tie
+        assert r["verdict"] not in DEFECTS, (dtype, r["first_divergence"])
+        assert all(f["logic"]["max"] <= PARITY["logic_tolerance"] for f in r["forced"])
+    precision = [f["precision"] for f in results[None]["bfloat16"]["forced"]]
+    assert all(p["applies"] and p["pass"] for p in precision)
+
+
+@pytest.mark.parametrize("name", mutants.LOGIC)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logic_mutant_fails_the_logic_check(results, name, dtype):
+    r = results[name][dtype]
+    assert r["verdict"] == "engine_accuracy_gap", r["first_divergence"]
+    assert all(lg["max"] > PARITY["logic_tolerance"] for lg in _logic(r)), _logic(r)
+    failed = [c for c in r["cells"] if c.get("logic") and not c["logic"]["pass"]]
+    assert failed, "the float32 forced run must see the bug, not only the free-running trace"
+    first = failed[0]["logic"]["first_out"]
+    assert first["abs_delta"] > first["tolerance"] == PARITY["logic_tolerance"]
+    assert abs(first["engine_logprob"] - first["oracle_logprob"]) == pytest.approx(first["abs_delta"])
+
+
+@pytest.mark.parametrize("name", mutants.PRECISION)
+def test_precision_mutant_fails_the_precision_check_only(results, name):
+    r = results[name]["bfloat16"]
+    assert r["verdict"] == "precision_regression", r["first_divergence"]
+    assert all(lg["max"] <= PARITY["logic_tolerance"] for lg in _logic(r))  # the logic is right
+    assert all(not f["precision"]["pass"] and f["precision"]["ratio"] > PARITY["precision_bound"] for f in r["forced"])
+    assert r["first_divergence"]["bound"] == PARITY["precision_bound"]
+    # in float32 the low-dtype reduction is float32 itself: nothing to see, and nothing seen
+    assert results[name]["float32"]["verdict"] == "all_token_text_exact"

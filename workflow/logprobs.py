@@ -1,0 +1,71 @@
+"""Log-probabilities along one shared token path (teacher forcing), and how far one run's are from another's.
+
+A reference records, at every position of the path, its top-k token ids and their log-probabilities; a run
+under test records its log-probabilities of those same ids and its own top-k. The error is |Δ log-prob| over
+the reference's top-k, in nats; top-1 agreement is the share of positions where both pick the same token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# what the reference runs in, whatever the campaign's dtype: the truth the engine's log-probs are held to
+REFERENCE_DTYPE = "float32"
+
+
+class Positions:
+    """Accumulates the log-probs of every row, position by position, as a forced pass hands out logits."""
+
+    def __init__(self, top_k: int, ref_ids: list[list[int]] | None = None):
+        self.top_k, self.ref_ids = top_k, ref_ids
+        self.rows: list[dict] | None = None
+
+    def __call__(self, logits: torch.Tensor) -> None:
+        """logits [B, T, vocab] of the next T positions of every row."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = lp.topk(min(self.top_k, lp.shape[-1]), dim=-1)
+        if self.rows is None:
+            self.rows = [{"top_ids": [], "top_logprobs": [], "ref_logprobs": []} for _ in range(lp.shape[0])]
+        start = len(self.rows[0]["top_ids"])
+        ref = None
+        if self.ref_ids is not None:
+            ids = torch.tensor(self.ref_ids[start:start + lp.shape[1]], device=lp.device)
+            ref = lp.gather(-1, ids[None].expand(lp.shape[0], -1, -1))
+        for r, row in enumerate(self.rows):
+            row["top_ids"] += top.indices[r].tolist()
+            row["top_logprobs"] += top.values[r].tolist()
+            if ref is not None:
+                row["ref_logprobs"] += ref[r].tolist()
+
+
+def reference(logits: torch.Tensor, top_k: int) -> dict:
+    """A reference's record of one path from its logits [T, vocab]: top-k ids and log-probs per position."""
+    pos = Positions(top_k)
+    pos(logits[None])
+    row = pos.rows[0]
+    return {"top_ids": row["top_ids"], "top_logprobs": row["top_logprobs"]}
+
+
+def at(logits: torch.Tensor, ids: list[list[int]]) -> dict:
+    """Another run's log-probs of the reference's ids (logits [T, vocab]), and its own top-1."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return {"ref_logprobs": lp.gather(-1, torch.tensor(ids, device=lp.device)).tolist(),
+            "top1": lp.argmax(-1).tolist()}
+
+
+def errors(ref: dict, got_logprobs: list[list[float]], got_top1: list[int]) -> dict:
+    """|Δ log-prob| over the reference's top-k per position, and whether the top-1 agrees, as tensors."""
+    want = torch.tensor(ref["top_logprobs"], dtype=torch.float64)
+    got = torch.tensor(got_logprobs, dtype=torch.float64)
+    if want.shape != got.shape:
+        raise ValueError(f"log-probs of {tuple(got.shape)} (positions, top-k) against the reference's {tuple(want.shape)}")
+    top1 = torch.tensor([ids[0] for ids in ref["top_ids"]]) == torch.tensor(got_top1)
+    return {"delta": (got - want).abs(), "top1": top1}
+
+
+def stats(deltas: list[dict]) -> dict:
+    """mean, p99 and max |Δ| and top-1 agreement over several `errors` results pooled."""
+    d = torch.cat([e["delta"].flatten() for e in deltas])
+    t = torch.cat([e["top1"].flatten() for e in deltas]).double()
+    return {"mean": float(d.mean()), "p99": float(torch.quantile(d, 0.99)), "max": float(d.max()),
+            "top1_agreement": float(t.mean()), "positions": int(t.numel())}
