@@ -27,7 +27,7 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
 from engine.checkpoint import CheckpointError, load_model  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
-from engine.generate import Generation, generate  # noqa: E402
+from engine.generate import Generation, forced, generate  # noqa: E402
 from engine.model import LatentCache, MoE, Transformer, rope_inv_freq  # noqa: E402
 
 TOL = 1e-4
@@ -230,6 +230,22 @@ def test_batch_mixed_lengths(batch_model):
     gen8 = generate(eng, prompts, 8)
     for p, row in zip(prompts, gen8.tokens):
         assert row == generate(eng, [p], 8).tokens[0]
+
+
+def test_forced_follows_the_given_path_on_every_row(batch_model):
+    """Teacher-forced along HF's greedy trace through the batched decode step: every position's logits are HF's
+    full-sequence logits, on each of 3 rows; position p predicts token p + 1."""
+    hf, eng = batch_model
+    trace = hf_generate(hf, PROMPT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + trace])).logits[0, :-1]
+    seen = []
+    forced(eng, [PROMPT] * 3, [trace] * 3, seen.append)
+    assert [tuple(t.shape[:2]) for t in seen] == [(3, len(PROMPT))] + [(3, 1)] * (len(trace) - 1)
+    got = torch.cat(seen, dim=1)
+    assert (got - ref).abs().max().item() < TOL
+    with pytest.raises(ValueError, match="same length"):
+        forced(eng, [PROMPT, PROMPT[:-1]], [trace, trace], seen.append)
 
 
 def test_forward_rows_at_different_positions(batch_model):

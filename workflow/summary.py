@@ -46,9 +46,13 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
         rows.append([f["backend"], f["kernels"], f["batch"],
                      f"{sum(c['verdict'] == 'all_token_text_exact' for c in cases)}/{len(cases)} exact",
                      "—" if lg is None else f"{lg['max']:.2g}", prec, top1, f"`{_worst(c['verdict'] for c in mine)}`"])
+    transport: dict[tuple, list[str]] = {}
     for c in cells:
         if c["backend"] == "host-staged vs collective":
-            rows.append([c["backend"], c["kernels"], c["batch"], c["case"], "—", "—", "—", f"`{c['verdict']}`"])
+            transport.setdefault((c["kernels"], c["batch"]), []).append(c["verdict"])
+    for (kernels, batch), verdicts in transport.items():
+        rows.append(["host-staged vs collective", kernels, batch,
+                     f"{verdicts.count('all_token_text_exact')}/{len(verdicts)} equal", "—", "—", "—", f"`{_worst(verdicts)}`"])
     seen: dict[str, list[str]] = {}
     for c in cells:
         if c["first_divergence"]:
