@@ -418,12 +418,20 @@ def test_precision_regression_ranks_between_near_tie_and_accuracy_gap():
     assert (SEVERITY.index("near_tie_divergence") < SEVERITY.index("precision_regression")
             < SEVERITY.index("engine_accuracy_gap"))
 
-    def verdict(engine: list[int]) -> str:
+    def result(engine: list[int], logic_off: float = 0.0) -> dict:
         o, runs = bf16_campaign({"a": 1.5 * HF_ERROR}, {"a": engine})
-        return compare(o, runs, NEAR_TIE)["verdict"]
+        nudge(runs[0]["cases"][0], logic_off)
+        return compare(o, runs, NEAR_TIE)
 
-    assert verdict(IDS_A[:2] + [99, 98, 97, 96]) == "precision_regression"  # over a near-tie at step 2
-    assert verdict(IDS_A[:3] + [77] + IDS_A[4:]) == "engine_accuracy_gap"  # under a gap at step 3
+    assert result(IDS_A[:2] + [99, 98, 97, 96])["verdict"] == "precision_regression"  # over a near-tie at step 2
+    # a decisive free-running divergence (step 3) whose float32 run is right: the precision check names it
+    decisive = result(IDS_A[:3] + [77] + IDS_A[4:])
+    assert decisive["verdict"] == "precision_regression"
+    cell = _cell(decisive, "a")
+    assert cell["verdict"] == "precision_regression" and cell["first_divergence"]["step"] == 3
+    assert cell["first_divergence"]["ratio"] == pytest.approx(1.5)
+    # the same divergence with a wrong float32 run stays an accuracy gap
+    assert result(IDS_A[:3] + [77] + IDS_A[4:], logic_off=2 * TOL)["verdict"] == "engine_accuracy_gap"
 
 
 # --- hash checks -------------------------------------------------------------------------
