@@ -56,10 +56,13 @@ def test_resolve_abbreviated_ids(arch):
     assert archive.resolve("evidence/gpu/bbbbbbb-c33333333-r1", arch) == arch / "gpu/bbbbbbb-c33333333-r1"
     with pytest.raises(archive.NotFound) as e:
         archive.resolve("aaa", arch)
-    assert str(e.value) == ("'aaa' matches 2 directories under evidence/ (tiny/aaaaaaa-c11111111-r1, "
-                            "tiny/aaaaaaa-c22222222-r1); give a longer id")
-    with pytest.raises(archive.NotFound, match="no evidence directory matches 'tiny/bbb' under evidence/tiny/"):
+    assert str(e.value) == ("'aaa' matches 2 directories under evidence/; give more of one id (or CAMPAIGN/ID):\n"
+                            "  tiny  aaaaaaa-c22222222-r1  2026-01-02 00:00:00Z\n"
+                            "  tiny  aaaaaaa-c11111111-r1  2026-01-01 00:00:00Z")
+    with pytest.raises(archive.NotFound) as e:
         archive.resolve("tiny/bbb", arch)
+    assert str(e.value) == ("no evidence directory matches 'tiny/bbb' under evidence/tiny/; "
+                            "`evident ls --campaign tiny` lists them")
     with pytest.raises(archive.NotFound, match="not sealed"):
         archive.resolve("ccc", arch, sealed=True)
     with pytest.raises(archive.NotFound, match="no evidence directory matches ''"):
@@ -79,6 +82,90 @@ def test_bench_baseline_uses_the_archive_rules(arch):
     assert resolve_baseline("aaa", current) == arch / "tiny/aaaaaaa-c11111111-r1"  # itself is excluded
     with pytest.raises(FileNotFoundError, match="bench.baseline: no evidence directory matches 'bbb'"):
         resolve_baseline("bbb", current)  # other campaigns are not searched
+    assert resolve_baseline("c1111", current) == arch / "tiny/aaaaaaa-c11111111-r1"  # any part of an id
+    # "-r1" is also in the unsealed ccccccc-...: a baseline must be sealed, so the one sealed match is taken
+    assert resolve_baseline("-r1", current) == arch / "tiny/aaaaaaa-c11111111-r1"
+    assert resolve_baseline("@latest", current) == arch / "tiny/aaaaaaa-c11111111-r1"  # this campaign, not itself
+    with pytest.raises(FileNotFoundError, match="bench.baseline: 'tiny@latest~1': campaign tiny has 1 sealed "
+                                                "directory other than this one under evidence/$"):
+        resolve_baseline("tiny@latest~1", current)
+    with pytest.raises(FileNotFoundError, match="bench.baseline: .*ccccccc-c44444444-r1 is not sealed"):
+        resolve_baseline("c4444", current)
+
+
+
+def test_any_part_of_an_id_addresses_it(arch, capsys):
+    """Every id of one commit starts alike: the config hash (or any other unique part) is enough."""
+    assert archive.resolve("c2222", arch) == arch / "tiny/aaaaaaa-c22222222-r1"
+    assert archive.resolve("33333", arch) == arch / "gpu/bbbbbbb-c33333333-r1"  # across campaigns
+    assert archive.resolve("tiny/c1", arch) == arch / "tiny/aaaaaaa-c11111111-r1"
+    assert archive.resolve("evidence/tiny/c2", arch) == arch / "tiny/aaaaaaa-c22222222-r1"
+    code, out, err = evident(capsys, "show", "c2222")
+    assert code == 0 and err == "" and "tiny/aaaaaaa-c22222222-r1" in out and "parity: near_tie_divergence" in out
+    code, out, _ = evident(capsys, "verify", "c1111", "3333")
+    assert (code, out) == (0, "ok    tiny/aaaaaaa-c11111111-r1\nok    gpu/bbbbbbb-c33333333-r1\n")
+
+
+def test_an_ambiguous_reference_lists_its_candidates(arch, capsys):
+    code, out, err = evident(capsys, "show", "r1")
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0] == "evident: 'r1' matches 4 directories under evidence/; give more of one id (or CAMPAIGN/ID):"
+    assert lines[1].split()[:2] == ["tiny", "ccccccc-c44444444-r1"] and lines[1].endswith("  unsealed")  # newest
+    assert lines[2:] == ["  gpu   bbbbbbb-c33333333-r1  2026-01-03 00:00:00Z",
+                         "  tiny  aaaaaaa-c22222222-r1  2026-01-02 00:00:00Z",
+                         "  tiny  aaaaaaa-c11111111-r1  2026-01-01 00:00:00Z"]
+    # one exact id in two campaigns: ambiguous too, until the campaign is named
+    handbuilt.build(arch, "gpu", "aaaaaaa-c11111111-r1", created="2026-01-05T00:00:00Z", plot=False)
+    code, out, err = evident(capsys, "verify", "aaaaaaa-c11111111-r1")
+    assert code == 2 and out == "" and "matches 2 directories" in err
+    assert "  gpu   aaaaaaa-c11111111-r1  2026-01-05 00:00:00Z\n" in err
+    assert evident(capsys, "verify", "gpu/aaaaaaa-c11111111-r1")[:2] == (0, "ok    gpu/aaaaaaa-c11111111-r1\n")
+    # diff and sync resolve both/every id before doing anything
+    code, out, err = evident(capsys, "diff", "c1111", "c2222")
+    assert code == 2 and out == "" and "'c1111' matches 2 directories" in err
+    code, out, err = evident(capsys, "sync", "aaa", "--tracking-uri", "sqlite:///mlflow.db")
+    assert code == 2 and out == "" and "'aaa' matches 3 directories" in err
+    assert not Path("mlflow.db").exists() and not Path(".evident/tracking").exists()
+
+
+def test_an_unknown_reference_says_so_and_points_to_ls(arch, capsys):
+    code, out, err = evident(capsys, "diff", "c1111", "nope")
+    assert (code, out) == (2, "")
+    assert err == "evident: no evidence directory matches 'nope' under evidence/; `evident ls` lists them\n"
+    code, out, err = evident(capsys, "verify", "gpu/c1111")
+    assert (code, out) == (2, "")
+    assert err == ("evident: no evidence directory matches 'gpu/c1111' under evidence/gpu/; "
+                   "`evident ls --campaign gpu` lists them\n")
+
+
+def test_latest_is_the_newest_sealed_directory_by_creation_time(arch, capsys):
+    # newest by its manifest's created_utc, not by its name; the unsealed ccccccc-... (newer still) never counts
+    handbuilt.build(arch, "tiny", "0000000-c55555555-r1", created="2026-01-05T00:00:00Z", plot=False)
+    tiny = arch / "tiny"
+    assert archive.resolve("tiny@latest", arch) == tiny / "0000000-c55555555-r1"
+    assert archive.resolve("tiny@latest~0", arch) == tiny / "0000000-c55555555-r1"
+    assert archive.resolve("tiny@latest~1", arch) == tiny / "aaaaaaa-c22222222-r1"
+    assert archive.resolve("tiny@latest~", arch) == tiny / "aaaaaaa-c22222222-r1"  # ~ alone: one before
+    assert archive.resolve("tiny@latest~2", arch) == tiny / "aaaaaaa-c11111111-r1"
+    assert archive.resolve("gpu@latest", arch) == arch / "gpu/bbbbbbb-c33333333-r1"
+    assert archive.resolve("@latest", arch) == tiny / "0000000-c55555555-r1"  # over all campaigns
+    assert archive.resolve("@latest~1", arch) == arch / "gpu/bbbbbbb-c33333333-r1"
+    code, out, _ = evident(capsys, "diff", "tiny@latest~1", "tiny@latest")
+    assert code == 0
+    assert out.startswith("A (baseline): tiny/aaaaaaa-c22222222-r1\nB (current):  tiny/0000000-c55555555-r1\n")
+    code, out, _ = evident(capsys, "verify", "@latest", "gpu@latest")
+    assert (code, out) == (0, "ok    tiny/0000000-c55555555-r1\nok    gpu/bbbbbbb-c33333333-r1\n")
+
+    for ref, message in (
+            ("tiny@latest~3", "'tiny@latest~3': campaign tiny has 3 sealed directories under evidence/ "
+                              "(tiny@latest~2 is the oldest)"),
+            ("gpu@latest~1", "'gpu@latest~1': campaign gpu has 1 sealed directory under evidence/"),
+            ("nope@latest", "'nope@latest': no campaign 'nope' under evidence/; `evident ls` lists them"),
+            ("tiny@newest", "'tiny@newest': a reference with @ is CAMPAIGN@latest or CAMPAIGN@latest~N (the newest "
+                            "sealed directory of CAMPAIGN, or the N-th before it)")):
+        code, out, err = evident(capsys, "show", ref)
+        assert (code, out, err) == (2, "", f"evident: {message}\n"), ref
 
 
 # --- ls, show --------------------------------------------------------------------------------
@@ -105,7 +192,7 @@ def test_show_prints_the_summary_and_errors_name_what_was_not_found(arch, capsys
     assert "### Claim boundary" in out and "bench-report" in out
     code, out, err = evident(capsys, "show", "nope")
     assert code == 2 and out == ""
-    assert err.strip() == "evident: no evidence directory matches 'nope' under evidence/"
+    assert err.strip() == "evident: no evidence directory matches 'nope' under evidence/; `evident ls` lists them"
     code, _, err = evident(capsys, "show", "aaa")
     assert code == 2 and "matches 2 directories" in err
     code, out, _ = evident(capsys, "show", "ccc")

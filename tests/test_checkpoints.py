@@ -87,6 +87,44 @@ def test_synthetic_other_seed_differs(synthetic, tiny_config, tmp_path):
         assert a[name] == b[name]  # the seed only moves the weights
 
 
+def test_sharded_write_holds_the_same_weights_and_reports_each_shard(synthetic, tiny_config, tmp_path, monkeypatch):
+    """Shards are drawn and written one at a time, in name order: the weights do not depend on the sharding (a
+    cached checkpoint stays valid), and each shard written is a progress line with the bytes so far."""
+    monkeypatch.setattr(checkpoints, "MAX_SHARD_BYTES", 200_000)
+    lines: list[str] = []
+    sharded = checkpoints.write_synthetic(tmp_path / "s", tiny_config, SEED, INIT_STD, DTYPE, progress=lines.append)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    one = load_file(synthetic / "model.safetensors")
+    many = {k: v for s in shards for k, v in load_file(sharded / s).items()}
+    assert one.keys() == many.keys() and all(torch.equal(one[k], many[k]) for k in one)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in one.values())
+    total = f"{index['metadata']['total_size'] / 1e6:.1f} MB"
+    assert [line.split(":")[0] for line in lines] == [f"wrote {s}" for s in shards]
+    assert lines[-1].startswith(f"wrote {shards[-1]}: {total} of {total} (100%), ")
+    assert {k: v for k, v in _files(sharded).items() if not k.endswith("safetensors") and "index" not in k} == \
+        {k: v for k, v in _files(synthetic).items() if not k.endswith("safetensors")}
+
+
+def test_a_slow_shard_reports_while_it_is_drawn(tiny_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoints, "PROGRESS_SECONDS", 0.0)
+    lines: list[str] = []
+    checkpoints.write_synthetic(tmp_path / "p", tiny_config, SEED, INIT_STD, DTYPE, progress=lines.append)
+    assert lines[0].startswith("drawing model.safetensors: ") and " of 1.0 MB (" in lines[0]
+    assert lines[-1].startswith("wrote model.safetensors: 1.0 MB of 1.0 MB (100%)")
+
+
+def test_the_campaign_check_builds_the_tokenizer_without_torch():
+    """workflow.checkpoints imports torch only when a function needs it (DTYPES included)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from workflow import checkpoints; checkpoints.build_tokenizer(512, 0, 1); "
+            "assert 'torch' not in sys.modules; assert checkpoints.DTYPES['bfloat16'] is __import__('torch').bfloat16")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_build_tokenizer_rejects_bad_ids():
     with pytest.raises(CheckpointInvalid):
         checkpoints.build_tokenizer(512, 3, 3)

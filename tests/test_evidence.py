@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -112,6 +113,86 @@ def test_write_json_round_trip(tmp_path):
     assert p.read_text().endswith("\n")
 
 
+# --- file modes: evidence is world-readable --------------------------------------------------
+
+
+@pytest.fixture
+def umask():
+    """`umask(mask)` sets the (process-wide) umask for the test; the old one is restored afterwards."""
+    old = os.umask(0o022)
+    os.umask(old)
+    try:
+        yield os.umask
+    finally:
+        os.umask(old)
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {p.relative_to(root).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("mask", [0o077, 0o027, 0o002, 0o000], ids=oct)
+def test_write_helpers_files_0644_dirs_0755_whatever_the_umask(tmp_path, umask, mask):
+    before = stat.S_IMODE(tmp_path.stat().st_mode)
+    umask(mask)
+    ev = tmp_path / "evidence" / "tiny" / "0123456-c89abcdef-r1"
+    evidence.write_bytes(ev / "bench" / "plot.png", b"\x89PNG")
+    evidence.write_text(ev / "config.yaml", "campaign: tiny\n")
+    evidence.write_json(ev / "env.json", {"packages": {}})
+    with evidence.Stage(ev, "oracle") as st:
+        st.write_json("oracle/hf.json", {"cases": []})
+    evidence.write_manifest(ev, {"campaign": "tiny"})
+    modes = _modes(tmp_path)
+    assert {rel for rel, m in modes.items() if (tmp_path / rel).is_file()} == {
+        f"evidence/tiny/0123456-c89abcdef-r1/{f}"
+        for f in ("bench/plot.png", "config.yaml", "env.json", "oracle/hf.json", "stages/oracle.json", "MANIFEST.json")}
+    for rel, m in modes.items():
+        assert m == (0o644 if (tmp_path / rel).is_file() else 0o755), (rel, oct(m))
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == before  # a directory that was there is not the helpers'
+
+
+def test_write_bytes_replaces_a_private_file_with_a_readable_one(tmp_path, umask):
+    umask(0o077)
+    (tmp_path / "old").mkdir(mode=0o700)
+    target = tmp_path / "old" / "result.json"
+    target.write_text("old")
+    target.chmod(0o600)
+    evidence.write_text(target, "new")
+    assert target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "old").stat().st_mode) == 0o700  # existing: left as it is
+    assert os.listdir(tmp_path / "old") == ["result.json"]
+
+
+def test_make_dirs(tmp_path, umask):
+    umask(0o077)
+    d = evidence.make_dirs(tmp_path / "a" / "b" / "c")
+    assert d.is_dir() and evidence.make_dirs(d) == d  # existing: fine
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "a", tmp_path / "a/b", d)] == [0o755] * 3
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        evidence.make_dirs(tmp_path / "file")
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        evidence.make_dirs(tmp_path / "file" / "sub")
+
+
+def test_html_archive_is_world_readable(tmp_path, umask):
+    from workflow.stages import html
+
+    umask(0o077)
+    root = tmp_path / "evidence"
+    ev = root / "tiny" / "0123456-c89abcdef-r1"
+    evidence.write_text(ev / "config.yaml", "campaign: tiny\n")
+    with evidence.Stage(ev, "context"):
+        pass
+    evidence.write_manifest(ev, {"campaign": "tiny"})
+    html.write_archive(root, records=tmp_path / "records")
+    modes = _modes(root)
+    assert "index.html" in modes and "_pages/tiny/0123456-c89abcdef-r1.html" in modes
+    for rel, m in modes.items():
+        assert m == (0o644 if (root / rel).is_file() else 0o755), (rel, oct(m))
+
+
 # --- git state -----------------------------------------------------------------------------
 
 
@@ -123,17 +204,58 @@ def _git(repo: Path, *args: str) -> str:
     ).stdout.strip()
 
 
+# A small project tree: one file (at least) per SOURCE_GLOBS pattern, nested where the pattern allows, and the
+# files the evidence id must not follow (campaigns, docs, tests, notes, report captions).
+SOURCE = {
+    "Snakefile": "include: 'workflow/rules/common.smk'\n",
+    "pyproject.toml": "[project]\nname = 'p'\n",
+    "Makefile": "run:\n\ttrue\n",
+    "config/config.yaml": "# the default campaign\ncampaign: tiny\n",
+    "config/schema.yaml": "type: object\n",
+    "engine/__init__.py": "",
+    "engine/model.py": "x = 1\n",
+    "engine/sub/deep.py": "y = 1\n",
+    "kernels/gemv.py": "z = 1\n",
+    "workflow/evidence.py": "w = 1\n",
+    "workflow/stages/html.py": "h = 1\n",
+    "workflow/rules/common.smk": "rule all:\n",
+    "workflow/profiles/local/config.yaml": "cores: 2\n",
+    "tools/device_profile.py": "t = 1\n",
+    "tools/device_campaign.sh": "#!/bin/sh\n",
+}
+NOT_SOURCE = {
+    "config/campaigns/mine.yaml": "campaign: mine\ndtype: float32\n",
+    "README.md": "# project\n",
+    "engine/DECODE.md": "notes beside the code\n",
+    "kernels/KERNELS.md": "audit figures\n",
+    "tests/test_model.py": "def test(): pass\n",
+    "tests/reliability/test_x.py": "def test(): pass\n",
+    "tools/NOTES.txt": "what I tried\n",
+    "workflow/report/summary.rst": "caption\n",
+    "evidence/README.md": "evidence lands here\n",
+}
+
+
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 @pytest.fixture
-def repo(tmp_path, monkeypatch):
+def no_git_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "EVIDENT_GIT_COMMIT", "EVIDENT_GIT_DIRTY"):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def repo(tmp_path, no_git_env):
     r = tmp_path / "repo"
     r.mkdir()
     _git(r, "init", "-q")
-    (r / "code.py").write_text("print('hi')\n")
-    (r / ".gitignore").write_text("ignored.log\n")
-    _git(r, "add", "code.py", ".gitignore")
+    _write_tree(r, {**SOURCE, **NOT_SOURCE, ".gitignore": "ignored.log\nengine/scratch.py\n"})
+    _git(r, "add", "-A")
     _git(r, "commit", "-q", "-m", "init")
     return r
 
@@ -146,50 +268,120 @@ def test_git_state_clean(repo):
 
 
 def test_git_state_dirty_tracked_then_untracked(repo):
-    (repo / "code.py").write_text("print('changed')\n")
+    (repo / "engine/model.py").write_text("x = 2\n")  # one character
     tracked = evidence.git_state(repo)
     assert tracked["commit"] == _git(repo, "rev-parse", "HEAD")
     assert tracked["dirty"] is not None and re.fullmatch(r"[0-9a-f]{64}", tracked["dirty"])
     assert evidence.git_state(repo)["dirty"] == tracked["dirty"]  # deterministic
+    _git(repo, "add", "engine/model.py")
+    assert evidence.git_state(repo)["dirty"] == tracked["dirty"]  # staged or not: a diff against HEAD
 
-    (repo / "new.py").write_text("x = 1\n")
+    (repo / "engine/new.py").write_text("x = 1\n")
     with_untracked = evidence.git_state(repo)
     assert with_untracked["dirty"] not in (None, tracked["dirty"])
 
-    (repo / "new.py").write_text("x = 2\n")  # the untracked file's content counts, not just its name
+    (repo / "engine/new.py").write_text("x = 2\n")  # the untracked file's content counts, not just its name
     assert evidence.git_state(repo)["dirty"] not in (None, with_untracked["dirty"])
 
 
 def test_git_state_untracked_only_and_ignored(repo):
     (repo / "ignored.log").write_text("noise\n")
+    (repo / "engine/scratch.py").write_text("ignored, though its name is a source file's\n")
     assert evidence.git_state(repo)["dirty"] is None  # ignored files are not code
-    (repo / "new.py").write_text("x = 1\n")
+    (repo / "engine/new.py").write_text("x = 1\n")
     assert evidence.git_state(repo)["dirty"] is not None
-    (repo / "new.py").unlink()
+    (repo / "engine/new.py").unlink()
     assert evidence.git_state(repo)["dirty"] is None
+
+
+def test_git_state_deleted_source_file_is_dirty(repo):
+    (repo / "kernels/gemv.py").unlink()
+    assert evidence.git_state(repo)["dirty"] is not None
 
 
 def test_git_state_reverted_change_is_clean(repo):
-    (repo / "code.py").write_text("print('changed')\n")
+    (repo / "engine/model.py").write_text("x = 2\n")
     assert evidence.git_state(repo)["dirty"] is not None
-    (repo / "code.py").write_text("print('hi')\n")
+    (repo / "engine/model.py").write_text("x = 1\n")
     assert evidence.git_state(repo)["dirty"] is None
 
 
-def test_git_state_not_a_repo(tmp_path, monkeypatch):
-    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
-    monkeypatch.delenv("GIT_DIR", raising=False)
-    monkeypatch.delenv("EVIDENT_GIT_COMMIT", raising=False)
+def _notes_and_campaigns(repo: Path) -> None:
+    """Everything a person edits beside the code: none of it can change a result."""
+    camp = repo / "config/campaigns/mine.yaml"
+    camp.write_text("# tried on the H200, see notes.md\n" + camp.read_text().replace("float32", "float32  # as ever"))
+    (repo / "config/campaigns/yours.yaml").write_text("campaign: yours\n")  # a new, untracked campaign
+    (repo / "notes.md").write_text("# what I saw\n")
+    (repo / "README.md").write_text("# project, edited\n")
+    (repo / "engine/DECODE.md").write_text("more notes\n")
+    (repo / "tests/test_model.py").write_text("def test(): assert True\n")
+    (repo / "tests/test_new.py").write_text("def test(): pass\n")
+    (repo / "tools/NOTES.txt").write_text("what I tried next\n")
+    (repo / "workflow/report/summary.rst").write_text("a better caption\n")
+    for rel in ("evidence/tiny/0123456-c89abcdef-r1/MANIFEST.json", ".evident/logs/seal.log"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)  # not ignored here: the rule excludes them
+        (repo / rel).write_text("{}\n")
+
+
+def test_git_state_ignores_campaign_comments_notes_docs_tests_and_evidence(repo):
+    clean = evidence.git_state(repo)
+    _notes_and_campaigns(repo)
+    assert "config/campaigns/yours.yaml" in _git(repo, "ls-files", "--others", "--exclude-standard")
+    assert evidence.git_state(repo) == clean  # still clean: the same id, nothing recomputed
+
+
+def test_git_state_dirty_hash_follows_the_code_only(repo):
+    (repo / "engine/model.py").write_text("x = 2\n")
+    dirty = evidence.git_state(repo)
+    assert dirty["dirty"] is not None
+    _notes_and_campaigns(repo)
+    assert evidence.git_state(repo) == dirty  # the notes do not move the hash either
+
+
+def test_source_globs_match_the_git_pathspecs(repo):
+    # the same files, named by pathlib's glob (no git) and by git's pathspecs (tracked files)
+    assert evidence.SOURCE_PATHSPECS == tuple(f":(glob){g}" for g in evidence.SOURCE_GLOBS)
+    expected = sorted(SOURCE)
+    assert evidence.source_files(repo) == expected
+    assert sorted(_git(repo, "ls-files", "--", *evidence.SOURCE_PATHSPECS).splitlines()) == expected
+    for g in evidence.SOURCE_GLOBS:  # every pattern is exercised by the tree above
+        assert list(repo.glob(g)), g
+
+
+@pytest.mark.parametrize("rel", [*SOURCE, *NOT_SOURCE])
+def test_source_rule_is_the_same_with_and_without_git(repo, tmp_path, rel):
+    counts = rel in SOURCE
+    # tracked, edited
+    (repo / rel).write_text((repo / rel).read_text() + "#\n")
+    assert (evidence.git_state(repo)["dirty"] is not None) is counts
+    _git(repo, "checkout", "--", rel)
+    assert evidence.git_state(repo)["dirty"] is None
+    # untracked (new)
+    _git(repo, "rm", "-q", "--cached", rel)
+    _git(repo, "commit", "-q", "-m", f"untrack {rel}")
+    assert (evidence.git_state(repo)["dirty"] is not None) is counts
+    # no git at all: the source hash, over the same files
+    plain = tmp_path / "plain"
+    _write_tree(plain, {**SOURCE, **NOT_SOURCE})
+    before = evidence.git_state(plain)
+    assert before["commit"] is None and before["dirty"] == evidence.source_hash(plain)
+    (plain / rel).write_text((plain / rel).read_text() + "#\n")
+    assert (evidence.git_state(plain)["dirty"] != before["dirty"]) is counts
+
+
+def test_git_state_not_a_repo(tmp_path, no_git_env):
     d = tmp_path / "plain"
-    (d / "engine").mkdir(parents=True)
-    (d / "engine" / "model.py").write_text("x = 1\n")
+    _write_tree(d, {**SOURCE, **NOT_SOURCE})
     first = evidence.git_state(d)
     assert first["commit"] is None and len(first["dirty"]) == 64  # the code itself names the id
     (d / "engine" / "model.py").write_text("x = 2\n")
     assert evidence.git_state(d)["dirty"] != first["dirty"]
     before = evidence.git_state(d)["dirty"]
     (d / "notes.txt").write_text("not code")
+    _notes_and_campaigns(d)
     assert evidence.git_state(d)["dirty"] == before
+    (d / "engine" / "new.py").write_text("x = 1\n")  # a new source file counts
+    assert evidence.git_state(d)["dirty"] != before
 
 
 def test_git_state_exported_tree_names_its_commit(tmp_path, monkeypatch):
@@ -239,7 +431,7 @@ def test_evidence_id_changes_with_config_repeat_and_code():
 def test_evidence_id_from_real_repo(repo):
     clean = evidence.evidence_id(evidence.git_state(repo), CONFIG, 1)
     assert ID_RE.match(clean) and "-dirty" not in clean
-    (repo / "code.py").write_text("print('changed')\n")
+    (repo / "engine/model.py").write_text("x = 2\n")
     dirty = evidence.evidence_id(evidence.git_state(repo), CONFIG, 1)
     assert ID_RE.match(dirty) and "-dirty" in dirty
     assert dirty.split("-")[0] == clean.split("-")[0]

@@ -1,4 +1,4 @@
-"""Reading the evidence archive: list, resolve abbreviated ids, load, diff, verify, sync.
+"""Reading the evidence archive: list, resolve abbreviated ids, load, diff, verify, sync (prune: workflow/prune.py).
 
 Plain data in and out; printing is the CLI's business and HTML the html stage's. This module sits
 beside tracking and benchstats (it imports only them and the evidence core), so that stages may
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from pathlib import Path
 
 import yaml
@@ -51,19 +52,77 @@ def label(path: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+LATEST = re.compile(r"(?P<campaign>[^/@]*)@latest(?:~(?P<back>\d*))?")
+"""`CAMPAIGN@latest`, `CAMPAIGN@latest~N` (N sealed directories before it; `~` alone is `~1`); no campaign: all."""
+
+MAX_CANDIDATES = 20
+"""An ambiguous reference names at most this many of its candidates."""
+
+
+def _created_utc(path: Path) -> str:
+    """The manifest's creation time ('' when unsealed or unreadable): what orders `@latest`."""
+    return (_manifest(_json(path / MANIFEST)) or {}).get("created_utc") or ""
+
+
+def _ls_hint(campaign: str | None) -> str:
+    return f"`evident ls{f' --campaign {campaign}' if campaign else ''}` lists them"
+
+
+def _ambiguous(ref: str, where: str, matches: list[Path]) -> NotFound:
+    """Every candidate, newest first, one a line: campaign, id, creation time (or unsealed)."""
+    rows = sorted(((m.parent.name, m.name, (load(m).created or "—").replace("T", " "),
+                    "" if (m / MANIFEST).is_file() else "unsealed") for m in matches),
+                  key=lambda r: (r[2], r[1]), reverse=True)
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() + (f"  {r[3]}" if r[3] else "")
+             for r in rows[:MAX_CANDIDATES]]
+    if len(rows) > MAX_CANDIDATES:
+        lines.append(f"  ... and {len(rows) - MAX_CANDIDATES} more")
+    return NotFound(f"{ref!r} matches {len(matches)} directories under {where}; give more of one id "
+                    f"(or CAMPAIGN/ID):\n" + "\n".join(lines))
+
+
+def _latest(ref: str, root: Path, campaign: str | None, exclude: Path | None) -> Path:
+    """`CAMPAIGN@latest~N`: the N-th newest sealed directory, by its manifest's `created_utc`."""
+    m = LATEST.fullmatch(ref)
+    if m is None:
+        raise NotFound(f"{ref!r}: a reference with @ is CAMPAIGN@latest or CAMPAIGN@latest~N "
+                       "(the newest sealed directory of CAMPAIGN, or the N-th before it)")
+    camp = m["campaign"] or campaign
+    back = 0 if m["back"] is None else int(m["back"] or 1)
+    if camp and not (root / camp).is_dir():
+        raise NotFound(f"{ref!r}: no campaign {camp!r} under {root.as_posix()}/; {_ls_hint(None)}")
+    dirs = [d for d in evidence_dirs(root, camp) if (d / MANIFEST).is_file()
+            and (exclude is None or d.resolve() != Path(exclude).resolve())]
+    dirs.sort(key=lambda d: (_created_utc(d), d.name), reverse=True)
+    if back >= len(dirs):
+        what = f"campaign {camp}" if camp else "the archive"
+        have = f"{len(dirs)} sealed director{'y' if len(dirs) == 1 else 'ies'}"
+        have += " other than this one" if exclude else ""
+        oldest = f" ({camp or ''}@latest~{len(dirs) - 1} is the oldest)" if len(dirs) > 1 else ""
+        raise NotFound(f"{ref!r}: {what} has {have} under {root.as_posix()}/{oldest}")
+    return dirs[back]
+
+
 def resolve(ref: str, root: str | Path = ROOT, *, campaign: str | None = None, exclude: Path | None = None,
             sealed: bool = False) -> Path:
-    """One evidence directory from a path, an id, `campaign/id`, or an unambiguous prefix of either.
+    """One evidence directory from a path, an id, `campaign/id`, any part of an id that matches one
+    directory (`c526`: its config hash), or `CAMPAIGN@latest[~N]` (sealed directories only, newest first
+    by their manifest's creation time; `@latest` alone: over every campaign, or over `campaign` when given).
 
-    An exact id wins over longer ids it prefixes. Raises NotFound naming what was searched, every
-    candidate when there are several, or the directory when `sealed` and it has no manifest.
+    An exact id wins over longer ids that contain it; otherwise the part must match one directory, in
+    `campaign` (or the one the reference names) when given, else across all campaigns. Raises NotFound
+    naming what was searched, every candidate (campaign, id, date) when there are several, or the
+    directory when `sealed` and it has no manifest (several matches of which one is sealed: that one).
     """
     root = Path(root)
     path = Path(ref)
     if "/" in ref and path.is_dir() and any((path / f).exists() for f in (MANIFEST, "stages", "config.yaml")):
         found = path
+    elif "@" in ref:
+        found = _latest(ref, root, campaign, exclude)
     else:
-        camp, _, prefix = ref.rpartition("/")
+        camp, _, part = ref.rpartition("/")
         camp = camp or campaign
         if camp and not (root / camp).is_dir() and path.parent.is_dir():
             root, camp = path.parent.parent, path.parent.name  # a path prefix: evidence/tiny/7c0
@@ -71,13 +130,14 @@ def resolve(ref: str, root: str | Path = ROOT, *, campaign: str | None = None, e
         where = f"{root.as_posix()}/" + (f"{camp}/" if camp else "")
         if exclude is not None:
             candidates = [d for d in candidates if d.resolve() != Path(exclude).resolve()]
-        exact = [d for d in candidates if d.name == prefix]
-        matches = exact or [d for d in candidates if prefix and d.name.startswith(prefix)]
+        exact = [d for d in candidates if d.name == part]
+        matches = exact or [d for d in candidates if part and part in d.name]
+        if sealed and len(matches) > 1:
+            matches = [d for d in matches if (d / MANIFEST).is_file()] or matches
         if not matches:
-            raise NotFound(f"no evidence directory matches {ref!r} under {where}")
+            raise NotFound(f"no evidence directory matches {ref!r} under {where}; {_ls_hint(camp)}")
         if len(matches) > 1:
-            names = ", ".join(label(m) for m in matches)
-            raise NotFound(f"{ref!r} matches {len(matches)} directories under {where} ({names}); give a longer id")
+            raise _ambiguous(ref, where, matches)
         found = matches[0]
     if sealed and not (found / MANIFEST).is_file():
         raise NotFound(f"{found.as_posix()} is not sealed (no {MANIFEST})")

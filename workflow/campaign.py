@@ -1,46 +1,152 @@
-"""Campaign config validation with a short error that names the offending key."""
+"""Campaign config validation before any work: every error at once, each naming its key.
+
+validate_campaign runs, in order: the schema (jsonschema's iter_errors, defaults filled in as snakemake.utils.validate
+fills them; an unknown key gets a "did you mean"), the model (checkpoint.base merged with checkpoint.config, which
+must then be complete), what the schema cannot say (check_inputs) and the size estimate (workflow/estimate.py).
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import os
+from pathlib import Path
 
+import yaml
+from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 from engine.config import ModelArgs
-from workflow.evidence import sha256_bytes
+from workflow import estimate
+from workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
 HF_ONLY = {"architectures", "model_type", "torch_dtype", "dtype", "initializer_range", "use_cache",
            "pretraining_tp", "attention_dropout", "output_router_logits", "head_dim", "qk_head_dim",
            "rope_theta", "rope_scaling", "transformers_version"}
 MODEL_KEYS = {f.name for f in dataclasses.fields(ModelArgs)} | HF_ONLY
+MODELS = Path(__file__).resolve().parents[1] / "config/models"  # checkpoint.base: <name>.yaml
+OPTIONAL = {"rope_scaling"}  # of the tiny model's fields: absent means plain RoPE
+EP_BACKENDS = {"host-staged", "collective"}
 
 
-def fail(where: str, message: str) -> None:
-    raise WorkflowError(f"invalid campaign config at `{where}`: {message}. "
-                        f"See config/schema.yaml and the README's key table.")
+def models() -> list[str]:
+    return sorted(p.stem for p in MODELS.glob("*.yaml"))
+
+
+def model_config(name: str) -> dict:
+    return yaml.safe_load((MODELS / f"{name}.yaml").read_text())
+
+
+def required_fields() -> list[str]:
+    """What a complete checkpoint.config states: the fields of the tiny model but OPTIONAL."""
+    return sorted(set(model_config("tiny")) - OPTIONAL)
+
+
+def report(problems: list[tuple[str, str]]) -> str:
+    lines = [f"invalid campaign config at `{where}`: {what}" + ("" if what[-1:] in ".?!" else ".")
+             for where, what in problems]
+    count = f"{len(problems)} errors. " if len(problems) > 1 else ""
+    return "\n".join(lines) + f"\n{count}See config/schema.yaml and the README's key table."
+
+
+def did_you_mean(name, candidates, listing: bool = False) -> str:
+    close = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {' or '.join(map(repr, close))}?"
+    return f"; the keys here: {', '.join(map(str, candidates))}" if listing else ""
 
 
 def validate_campaign(config: dict, schema: str) -> None:
-    """Validate and fill defaults (snakemake.utils.validate); re-raise naming the key and value.
+    """Validate, fill defaults and resolve the campaign in place (checkpoint.base merged into checkpoint.config;
+    quality.gsm8k's null limit, shots and max_tokens fitted); raise one WorkflowError listing every problem."""
+    problems = schema_problems(config, schema)
+    if not problems:  # the checks below rely on the schema's types and defaults
+        model = resolve_model(config, problems)
+        problems += check_inputs(config, model)
+        problems += estimate.size_problems(config, model)
+        problems += check_baseline(config, Path(schema).resolve().parents[1])
+    if problems:
+        raise WorkflowError(report(problems))
 
-    `checkpoint.config` is checked against the DeepSeek-V2 config fields too: transformers would
-    accept a misspelt field silently and build its default (a 32-layer model) instead.
-    """
+
+def _where(path) -> str:
+    return ".".join(str(p) for p in path) or "<top level>"
+
+
+def _filling(cls):
+    """The validator class that fills in each property's default before validating it (jsonschema's FAQ recipe,
+    as snakemake.utils.validate uses it)."""
+    validate_properties = cls.VALIDATORS["properties"]
+
+    def properties(validator, props, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in props.items():
+                if "default" in sub:
+                    instance.setdefault(name, copy.deepcopy(sub["default"]))
+        yield from validate_properties(validator, props, instance, schema)
+
+    return validators.extend(cls, {"properties": properties})
+
+
+def schema_problems(config: dict, schema: str) -> list[tuple[str, str]]:
+    """Every schema error (an unknown key: one each, with the closest names), then unknown checkpoint.config fields:
+    transformers would accept a misspelt field silently and build its default instead."""
+    validator = _filling(Draft202012Validator)(yaml.safe_load(Path(schema).read_text()))
+    out = []
+    for e in validator.iter_errors(config):
+        where = _where(e.absolute_path)
+        if e.validator == "additionalProperties" and isinstance(e.instance, dict):
+            known = list(e.schema.get("properties", {}))
+            out += [(where, f"{k!r} was unexpected{did_you_mean(k, known, listing=True)}") for k in e.instance
+                    if k not in known]
+        else:
+            out.append((where, e.message))
+    model = config.get("checkpoint", {}).get("config") if isinstance(config.get("checkpoint"), dict) else None
+    if isinstance(model, dict):
+        out += [("checkpoint.config", f"unknown DeepSeek-V2 config field {k!r}{did_you_mean(k, sorted(MODEL_KEYS))}")
+                for k in sorted(set(model) - MODEL_KEYS, key=str)]
+    return out
+
+
+def resolve_model(config: dict, problems: list) -> dict | None:
+    """A synthetic campaign's model config: checkpoint.base's fields overridden by checkpoint.config, written back
+    as checkpoint.config (base is dropped: the evidence records and hashes the merged config, so a campaign with a
+    base and one written out in full are the same). None when there is none or it is refused."""
+    spec = config["checkpoint"]
+    base = spec.pop("base", None)
+    if spec["source"] != "synthetic":
+        if base is not None or spec["config"]:
+            problems.append(("checkpoint.base" if base is not None else "checkpoint.config",
+                             f"only for source synthetic: a {spec['source']} checkpoint brings its own config.json"))
+        return None
+    if base is not None:
+        if base not in models():
+            problems.append(("checkpoint.base", f"no shipped model {base!r}{did_you_mean(base, models())} "
+                             f"(config/models/ has {', '.join(models())})"))
+            return None
+        spec["config"] = {**model_config(base), **spec["config"]}
+    missing = [f for f in required_fields() if f not in spec["config"]]
+    if missing and not spec["config"]:
+        problems.append(("checkpoint", f"no model: set checkpoint.base ({', '.join(models())}) or give "
+                                       "checkpoint.config in full"))
+        return None
+    if missing:
+        try:
+            size = f" (here: {estimate.count(estimate.parameters(spec['config']))} parameters)"
+        except Exception:  # noqa: BLE001 - transformers' defaults may not even make a model
+            size = ""
+        problems.append(("checkpoint.config", f"missing field(s) {', '.join(missing)}: transformers would take its "
+                         f"defaults for them{size}; give every field, or set checkpoint.base "
+                         f"({', '.join(models())}) and keep checkpoint.config for the fields that differ"))
+        return None
     try:
-        validate(config, schema, set_default=True)
-    except WorkflowError as e:
-        cause = e.__context__  # the jsonschema ValidationError that snakemake wrapped
-        if not hasattr(cause, "absolute_path"):
-            raise
-        fail(".".join(str(p) for p in cause.absolute_path) or "<top level>", cause.message)
-    unknown = sorted(set(config["checkpoint"].get("config", {})) - MODEL_KEYS)
-    if unknown:
-        fail("checkpoint.config", f"unknown DeepSeek-V2 config field(s) {', '.join(map(repr, unknown))}")
-    check_inputs(config)
+        ModelArgs.from_hf(spec["config"])
+    except Exception as e:  # noqa: BLE001 - the engine's own check of the fields, whatever it raises
+        problems.append(("checkpoint.config", str(e) or type(e).__name__))
+        return None
+    return spec["config"]
 
 
 def _strings(node, where: str = ""):
@@ -55,35 +161,82 @@ def _strings(node, where: str = ""):
         yield where, node
 
 
-def check_inputs(config: dict) -> None:
-    """What the schema cannot say, checked before any work (tests/reliability/test_bad_input.py).
+def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str]]:
+    """What the schema cannot say, as (key, message), checked before any work (tests/reliability/test_bad_input.py).
 
-    Text must be valid UTF-8 (YAML's `\\udc80` escape gives a lone surrogate that no file can hold),
-    prompts must not be blank, a case cannot ask for more tokens than the model's context holds, and
-    `device: cuda` needs a GPU here (set EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without one, whose
-    jobs run elsewhere). A prompt's length in tokens needs the tokenizer: the checkpoint record checks it.
+    Text must be valid UTF-8 (YAML's `\\udc80` escape gives a lone surrogate that no file can hold), prompts must
+    not be blank, and each must fit the model's context with its new tokens: counted with the tokenizer where it
+    exists before any work (synthetic, local; a hub checkpoint's record counts them), else at least fewer new tokens
+    than the context. The quality defaults are fitted and checked (estimate.fit_quality), the reference must be a
+    target, expert-parallel ranks must divide the experts, and `device: cuda` needs a GPU here (set
+    EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without one, whose jobs run elsewhere).
     """
+    out = []
     for where, text in _strings(config):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            fail(where, f"not valid UTF-8 text ({e.reason} at character {e.start})")
-    for i, case in enumerate(config["cases"]):
-        if not case["prompt"].strip():
-            fail(f"cases.{i}.prompt", "the prompt is blank")
+            out.append((where, f"not valid UTF-8 text ({e.reason} at character {e.start})"))
+    if out:
+        return out
+    out += [(f"cases.{i}.prompt", "the prompt is blank") for i, c in enumerate(config["cases"]) if not c["prompt"].strip()]
     if not config["bench"]["prompt"].strip():
-        fail("bench.prompt", "the prompt is blank")
-    context = config["checkpoint"].get("config", {}).get("max_position_embeddings")
-    if isinstance(context, int):
-        for i, case in enumerate(config["cases"]):
-            if case["max_new_tokens"] >= context:
-                fail(f"cases.{i}.max_new_tokens", f"{case['max_new_tokens']} new tokens do not fit the model's "
-                     f"context of {context} (checkpoint.config.max_position_embeddings) beside a prompt")
+        out.append(("bench.prompt", "the prompt is blank"))
+    try:
+        context, tok = estimate.model_files(config, model)
+    except ValueError as e:  # checkpoints.CheckpointInvalid: ids the byte-level tokenizer cannot have
+        return out + [("checkpoint.config", str(e))]
+    if context is not None:
+        out += [(f"cases.{i}.max_new_tokens", f"{c['max_new_tokens']} new tokens do not fit the model's context of "
+                 f"{context} (max_position_embeddings) beside a prompt")
+                for i, c in enumerate(config["cases"]) if c["max_new_tokens"] >= context]
+    if tok is not None and context is not None and not out:
+        from workflow.checkpoints import prompt_problems
+
+        out += [(key, what) for key, _, what in prompt_problems(tok, context, config)]
+    out += estimate.fit_quality(config, context, tok)
+    q = config["quality"]
+    names = [t if isinstance(t, str) else t["name"] for t in q["targets"]]
+    if q["reference"] not in names:
+        out.append(("quality.reference", f"{q['reference']!r} is not one of quality.targets {names}"))
+    if len(set(names)) < len(names):
+        out.append(("quality.targets", f"a target name appears twice: {names}"))
+    if len(config["overlap"]["segments"]) != len(config["overlap"]["segment_dtypes"]):
+        out.append(("overlap.segment_dtypes", "needs one dtype per overlap.segments entry"))
+    experts, ep = (model or {}).get("n_routed_experts"), config["parallel"]["ep_size"]
+    if experts and EP_BACKENDS & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
+        out.append(("parallel.ep_size", f"{ep} ranks do not divide the model's {experts} routed experts "
+                                        "(checkpoint.config.n_routed_experts)"))
     if config["device"] == "cuda" and not os.environ.get("EVIDENT_SKIP_DEVICE_CHECK"):
         import torch  # only a cuda campaign pays for the import
 
         if not torch.cuda.is_available():
-            fail("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto")
+            out.append(("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto"))
+    return out
+
+
+def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
+    """bench.baseline must name a sealed directory now, resolved as the bench-report stage resolves it (which leaves
+    out the run's own directory: its id is derived here as common.smk derives it)."""
+    ref = config["bench"]["baseline"]
+    if not ref:
+        return []
+    from workflow import archive
+    from workflow.evidence import evidence_id, git_state
+
+    home, own = archive.ROOT / config["campaign"], None
+    if home.is_dir():
+        own = home / evidence_id(git_state(code_dir), evidence_config(config), config["repeat"])
+        if (own / MANIFEST).is_file():
+            return []  # sealed: nothing runs, the gate only reads it
+    try:
+        archive.resolve(ref, archive.ROOT, campaign=config["campaign"], exclude=own, sealed=True)
+    except (archive.NotFound, OSError, ValueError) as e:
+        if home.is_dir() or "/" in ref or "@" in ref:
+            return [("bench.baseline", str(e))]
+        return [("bench.baseline", f"no evidence directory matches {ref!r}: campaign {config['campaign']} has none "
+                                   f"under {home.as_posix()}/ here yet (a path names another campaign's)")]
+    return []
 
 
 class CampaignFileError(ValueError):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
+from typing import Callable
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from workflow.evidence import read_json, sha256_file, write_json, write_text
 
@@ -23,7 +23,22 @@ MAX_SHARD_BYTES = 4 << 30
 # Hashes of large files are reused while a file's size, mtime and inode are unchanged (as git's index
 # does): a 31 GB checkpoint is hashed once, not by every stage that verifies it.
 HASH_CACHE = Path(".evident/sha256")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PROGRESS_SECONDS = 5.0
+
+
+def __getattr__(name: str):
+    """DTYPES (names to torch dtypes) imports torch on first use: the campaign check before any work builds the
+    synthetic tokenizer from this module and should not pay for torch."""
+    if name == "DTYPES":
+        return {n: torch_dtype(n) for n in DTYPE_BYTES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class CheckpointInvalid(ValueError):
@@ -37,6 +52,7 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
 
     Packed expert tensors are unpacked to the per-expert names of the original checkpoints.
     """
+    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     try:
@@ -61,7 +77,9 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _init(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
+def _init(name: str, shape: tuple[int, ...], std: float, gen):
+    import torch
+
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     return (torch.randn(shape, generator=gen, device=gen.device) * std).cpu()
@@ -122,19 +140,27 @@ def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
 
 
 def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str,
-                    init_device: str = "cpu") -> Path:
+                    init_device: str = "cpu", progress: Callable[[str], None] | None = None) -> Path:
     """Seeded init. `init_device: cuda` draws on the GPU (seconds instead of minutes for 15.7B
-    parameters); the bytes are then reproducible on the same GPU model and torch version."""
+    parameters); the bytes are then reproducible on the same GPU model and torch version.
+
+    Weights are drawn and written one shard at a time (in name order, so the bytes do not depend on the
+    sharding): the writer holds one shard and its serialised copy, not the whole model. `progress` gets a
+    line per shard written and, while a shard is drawn, one every PROGRESS_SECONDS.
+    """
+    import torch
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
     cfg.setdefault("bos_token_id", 0)
     cfg.setdefault("eos_token_id", 1)
     cfg["torch_dtype"] = dtype
-    shapes = parameter_shapes(cfg)
+    shapes = sorted(parameter_shapes(cfg).items())
     gen = torch.Generator(device=init_device).manual_seed(seed)
-    tensors = {name: _init(name, shape, init_std, gen).to(DTYPES[dtype]).contiguous() for name, shape in sorted(shapes.items())}
-    _save_sharded(out, tensors)
+    _save_sharded(out, shapes, DTYPE_BYTES[dtype],
+                  lambda name, shape: _init(name, shape, init_std, gen).to(torch_dtype(dtype)).contiguous(),
+                  progress or (lambda line: None))
     write_json(out / "evident_synthetic.json", {"seed": seed, "init_std": init_std, "dtype": dtype,
                                                 "init_device": init_device, "torch": torch.__version__})
     write_json(out / "config.json", dict(sorted(cfg.items())))
@@ -149,26 +175,55 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
     return out
 
 
-def _save_sharded(out: Path, tensors: dict[str, torch.Tensor]) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def shard_plan(sizes: list[tuple[str, int]]) -> list[list[str]]:
+    """Names in order, cut into shards of at most MAX_SHARD_BYTES (a larger tensor is a shard of its own)."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for name, n in sizes:
         if shards[-1] and size + n > MAX_SHARD_BYTES:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(name)
         size += n
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return shards
+
+
+def _save_sharded(out: Path, shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, draw, progress) -> None:
+    from safetensors.torch import save_file
+
+    nbytes = {name: itemsize * _numel(shape) for name, shape in shapes}
+    shape_of = dict(shapes)
+    plan = shard_plan(list(nbytes.items()))
+    total, done, t0 = sum(nbytes.values()), 0, time.monotonic()
+    names = ["model.safetensors"] if len(plan) == 1 else [f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+                                                          for i in range(1, len(plan) + 1)]
+    for fname, shard in zip(names, plan):
+        tensors, drawn, last = {}, 0, time.monotonic()
+        for name in shard:
+            tensors[name] = draw(name, shape_of[name])
+            drawn += nbytes[name]
+            if time.monotonic() - last >= PROGRESS_SECONDS:
+                last = time.monotonic()
+                progress(f"drawing {fname}: {_gb(done + drawn)} of {_gb(total)} ({(done + drawn) / total:.0%}), "
+                         f"{last - t0:.0f}s")
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        done += sum(nbytes[n] for n in shard)
+        del tensors
+        progress(f"wrote {fname}: {_gb(done)} of {_gb(total)} ({done / total:.0%}), {time.monotonic() - t0:.0f}s")
+    if len(plan) > 1:
+        weight_map = {name: fname for fname, shard in zip(names, plan) for name in shard}
+        write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 # --- hub ------------------------------------------------------------------------------------
@@ -236,25 +291,34 @@ def describe(ckpt_dir: str | Path, expected: dict[str, str] | None = None) -> di
 
 def check_prompts(ckpt_dir: str | Path, config: dict) -> None:
     """Each case's prompt plus its new tokens (and the bench prompt plus bench.new_tokens) must fit the
-    model's context (config.json max_position_embeddings), counted with the checkpoint's own tokenizer."""
+    model's context (config.json max_position_embeddings), counted with the checkpoint's own tokenizer.
+    The campaign check does the same before any work wherever the tokenizer exists then (synthetic, local)."""
     from tokenizers import Tokenizer
 
     root = Path(ckpt_dir)
     context = read_json(root / "config.json").get("max_position_embeddings")
     if not isinstance(context, int) or not (root / "tokenizer.json").is_file():
         return
-    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-    items = [(f"cases.{i} ({c['name']})", c["prompt"], c.get("max_new_tokens", 32)) for i, c in enumerate(config["cases"])]
+    for _, where, what in prompt_problems(Tokenizer.from_file(str(root / "tokenizer.json")), context, config):
+        raise CheckpointInvalid(f"{where}: {what}")
+
+
+def prompt_problems(tok, context: int, config: dict) -> list[tuple[str, str, str]]:
+    """(key, case, what) for each prompt that encodes to nothing or does not fit the context with its new tokens."""
+    items = [(f"cases.{i}.prompt", f"cases.{i} ({c['name']})", c["prompt"], c.get("max_new_tokens", 32))
+             for i, c in enumerate(config["cases"])]
     bench = config.get("bench") or {}
     if bench.get("prompt"):
-        items.append(("bench", bench["prompt"], bench.get("new_tokens", 32)))
-    for where, prompt, new in items:
+        items.append(("bench.prompt", "bench", bench["prompt"], bench.get("new_tokens", 32)))
+    out = []
+    for key, where, prompt, new in items:
         n = len(tok.encode(prompt).ids)
         if n == 0:
-            raise CheckpointInvalid(f"{where}: the prompt encodes to no tokens")
-        if n + new > context:
-            raise CheckpointInvalid(f"{where}: the prompt is {n} tokens and {new} new tokens are asked: more than "
-                                    f"the model's context of {context} tokens (max_position_embeddings)")
+            out.append((key, where, "the prompt encodes to no tokens"))
+        elif n + new > context:
+            out.append((key, where, f"the prompt is {n} tokens and {new} new tokens are asked: more than "
+                                    f"the model's context of {context} tokens (max_position_embeddings)"))
+    return out
 
 
 def cached_sha256(path: Path) -> str:

@@ -1,16 +1,21 @@
-"""`evident`: browse, compare, verify and sync the evidence archive.
+"""`evident`: browse, compare, verify, sync and prune the evidence archive.
 
   evident ls [--campaign C]      every evidence directory, newest first, with each gate's verdict
   evident show ID                one directory's summary
   evident diff A B               B against A: bench cells with noise-aware claims, metrics, verdict changes
   evident verify [ID ...|--all]  re-hash every file against MANIFEST.json
   evident sync [ID ...|--all]    replay evidence into MLflow (idempotent)
+  evident prune [--unsealed] [--older-than D [--sealed]] [--campaign C] [--dry-run]
+                                 remove failed or old directories, and mark their MLflow runs deleted
   evident html                   rewrite the static HTML archive (evidence/index.html)
   evident run [SNAKEMAKE ARGS]   check the --configfile campaign files, then run snakemake with these arguments
 
-An ID is an evidence id, `campaign/id`, a path, or a prefix of an id that matches one directory.
-Exit status: 0 fine, 1 a mismatch or a failed sync, 2 an error (an id that matches nothing).
-"""
+An ID is an evidence id, `campaign/id`, a path, or any part of an id that matches one directory (`c526`,
+its config hash, or the commit); an exact id wins over longer ones that contain it. `CAMPAIGN@latest` is
+the campaign's newest *sealed* directory (by its manifest's creation time), `CAMPAIGN@latest~N` the N-th
+before it, `@latest` the newest over all campaigns: `evident diff tiny@latest~1 tiny@latest`.
+Exit status: 0 fine, 1 a mismatch or a failed sync or removal, 2 an error (an id that matches nothing or
+several: the candidates are listed)."""
 
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from workflow import archive
+from workflow import archive, prune
 
 MISMATCH, ERROR = 1, 2
+ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
+           "(the newest sealed directory, or the N-th before it; @latest: over all campaigns)")
 
 
 def _records(args) -> Path:
@@ -177,6 +184,106 @@ def cmd_sync(args) -> int:
     return MISMATCH if failed else 0
 
 
+# --- prune -----------------------------------------------------------------------------------
+
+def _age(seconds: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.1f}{unit} old"
+    return f"{max(seconds, 0):.0f}s old"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _age_arg(text: str) -> float:
+    try:
+        return prune.parse_age(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _forget(ev: archive.Evidence, uri: str | None, down: list[str]) -> str:
+    """Mark the removed directory's MLflow runs deleted; never fails the prune. `down` remembers an
+    unreachable store so that it is asked once, not once per directory."""
+    recorded = prune.recorded_runs(ev)
+    left = f"runs left ({len(recorded)} recorded, parent {recorded[0]})" if recorded else "any runs left"
+    if down:
+        return f"mlflow unreachable (above): {left}"
+    try:
+        result = prune.forget_runs(ev, uri)
+    except Exception as e:  # an unreachable or missing store: the directory is gone all the same
+        down.append(f"{type(e).__name__}: {e}")
+        return f"mlflow unreachable ({down[0]}): {left}"
+    if result is None:
+        return "mlflow: tracking was disabled"
+    if not result["deleted"] and not result["missing"]:
+        return "mlflow: no runs"
+    note = f"mlflow: {len(result['deleted'])} run{'' if len(result['deleted']) == 1 else 's'} marked deleted"
+    if result["missing"]:
+        note += f" ({len(result['missing'])} recorded run(s) not in this store: left)"
+    return note
+
+
+def cmd_prune(args) -> int:
+    if args.sealed and (args.unsealed or args.older_than is None):
+        raise archive.NotFound("--sealed goes with --older-than D (and not --unsealed): sealed directories "
+                               "are removed only by age")
+    if not args.unsealed and args.older_than is None:
+        raise archive.NotFound("say what to prune: --unsealed, --older-than D, or both")
+    root = Path(args.root)
+    if args.campaign and not (root / args.campaign).is_dir():
+        raise archive.NotFound(f"no campaign {args.campaign!r} under {root.as_posix()}/")
+    plan = prune.prune_plan(root, unsealed=args.unsealed, older_than=args.older_than, sealed=args.sealed,
+                              campaign=args.campaign, records=_records(args))
+    if not plan:
+        print(f"nothing to prune under {root.as_posix()}/" + (f"{args.campaign}/" if args.campaign else ""))
+        return 0
+    removed, kept, skipped, failed, size, down = 0, 0, 0, 0, 0, []
+    for p in plan:
+        name, what = archive.label(p.path), f"{p.reason}, {_age(p.age_s)}, {_size(p.size)}"
+        if p.action == "keep":
+            kept += 1
+            print(f"{'kept':<12}  {name}: {p.reason} ({_age(p.age_s)})")
+            continue
+        if p.action == "skip":
+            skipped += 1
+            print(f"{'skipped':<12}  {name}: {p.reason}")
+            continue
+        if args.dry_run:
+            removed, size = removed + 1, size + p.size
+            print(f"{'would remove':<12}  {name}: {what}")
+            continue
+        try:
+            prune.remove(p.path, root, _records(args))
+        except prune.Held as h:
+            skipped += 1
+            print(f"{'skipped':<12}  {name}: being written by a running snakemake ({h})")
+            continue
+        except OSError as e:
+            failed += 1
+            print(f"{'FAIL':<12}  {name}: {type(e).__name__}: {e}")
+            continue
+        removed, size = removed + 1, size + p.size
+        print(f"{'removed':<12}  {name}: {what}; {_forget(p.evidence, args.tracking_uri, down)}")
+    dirs = f"{removed} director{'y' if removed == 1 else 'ies'} ({_size(size)})"
+    total = [f"would remove {dirs}; nothing removed (--dry-run)" if args.dry_run else f"removed {dirs}"]
+    total += [f"kept {kept} sealed"] if kept else []
+    total += [f"skipped {skipped} held by a running snakemake"] if skipped else []
+    total += [f"{failed} failed"] if failed else []
+    print("total: " + "; ".join(total))
+    if removed and not args.dry_run and (root / "index.html").is_file():
+        from workflow.stages import html
+
+        written = html.write_archive(root, args.tracking_uri, _records(args))
+        print(f"{root.as_posix()}/index.html: rewritten, {len(written) - 1} evidence pages")
+    return MISMATCH if failed else 0
+
+
 def cmd_html(args) -> int:
     from workflow.stages import html
 
@@ -211,6 +318,8 @@ def cmd_run(argv: list[str]) -> int:
         print(f"evident: {e}", file=sys.stderr)
         return ERROR
     snakemake = Path(sys.executable).with_name("snakemake")  # the one installed beside this interpreter
+    # what Snakemake and the rules' `tee` create (output folders, logs) readable by all, as the stages' own files
+    os.umask(os.umask(0o022) & 0o022)
     os.execv(snakemake, [str(snakemake), *argv])
 
 
@@ -222,21 +331,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--campaign")
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("show", help="one directory's summary")
-    p.add_argument("id")
+    p.add_argument("id", metavar="ID", help=ID_HELP)
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("diff", help="compare B against A (A is the baseline)")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", metavar="A", help=ID_HELP)
+    p.add_argument("b", metavar="B", help=ID_HELP)
     p.add_argument("--json", action="store_true", help="the comparison as JSON")
     p.set_defaults(func=cmd_diff)
     for name, func, what in (("verify", cmd_verify, "re-hash every file against MANIFEST.json"),
                              ("sync", cmd_sync, "replay evidence into MLflow (idempotent)")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("ids", nargs="*", metavar="ID")
+        p.add_argument("ids", nargs="*", metavar="ID", help=ID_HELP)
         p.add_argument("--all", action="store_true", help="every directory in the archive")
         if name == "sync":
             p.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI, else MLflow's default store")
         p.set_defaults(func=func)
+    p = sub.add_parser("prune", help="remove unsealed (failed, interrupted) or old evidence directories",
+                       description="Remove evidence directories: unsealed ones (no MANIFEST.json: failed or "
+                       "interrupted runs) and/or those older than D (by the manifest's created_utc; an unsealed "
+                       "one by its mtime). A sealed directory is removed only with --sealed (and --older-than); "
+                       "one a running snakemake holds (.evident/locks/<campaign>/<id>.lock) is skipped. The "
+                       "MLflow runs of a removed directory are marked deleted; an unreachable store leaves them "
+                       "and says so. evidence/index.html is rewritten when it exists.")
+    p.add_argument("--unsealed", action="store_true", help="directories without a MANIFEST.json")
+    p.add_argument("--older-than", type=_age_arg, metavar="D", help="older than D: 7d, 12h, 30m")
+    p.add_argument("--sealed", action="store_true", help="remove sealed directories older than D too (else kept)")
+    p.add_argument("--campaign", help="only this campaign's directories")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    p.add_argument("--tracking-uri", default=None,
+                   help="else MLFLOW_TRACKING_URI, else MLflow's default store (as sync; a campaign's tracking.uri "
+                   "is not recorded in evidence: give it here)")
+    p.set_defaults(func=cmd_prune)
     p = sub.add_parser("html", help="rewrite the static HTML archive")
     p.add_argument("--tracking-uri", default=None, help="an http(s) MLflow server to link runs to")
     p.set_defaults(func=cmd_html)

@@ -1,6 +1,7 @@
 """The evidence core: content-derived ids, hashing, atomic writes, stage records, the manifest.
 
-Everything here is plain files; nothing imports the engine or MLflow.
+Everything here is plain files; nothing imports the engine or MLflow. The id's code part follows the
+source files only (SOURCE_GLOBS); what the helpers write is world-readable (0644 files, 0755 directories).
 """
 
 from __future__ import annotations
@@ -57,13 +58,44 @@ def config_hash(config: dict) -> str:
 
 
 # --- atomic writes: temp file in the same directory, fsync, rename ---------------------------
+# Evidence and the HTML archive are meant to be read by anyone ("serve evidence/ with any static server"):
+# every file these helpers write is 0644 and every directory they create 0755, whatever the umask
+# (a temp file from mkstemp is 0600 and mkdir follows the umask, so both are set explicitly). Directories
+# that already exist are left as they are.
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
+def make_dirs(path: str | Path) -> Path:
+    """`mkdir -p`: each directory it creates is DIR_MODE (0755) whatever the umask; existing ones are untouched."""
+    path = Path(path)
+    missing = []
+    d = path
+    while not d.is_dir():
+        missing.append(d)
+        if d.parent == d:
+            break
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue  # made meanwhile by another writer: theirs, not ours to chmod
+        os.chmod(d, DIR_MODE)  # mkdir's mode is masked by the umask
+    return path
+
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write atomically (temp file in the same directory, fsync, rename): FILE_MODE (0644), parents made 0755."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.chmod(tmp, FILE_MODE)  # mkstemp makes it 0600; set before the rename, so the file never lands private
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -102,11 +134,32 @@ def _git(code_dir: Path, *args: str) -> bytes | None:
         return None
 
 
-def git_state(code_dir: str | Path) -> dict:
-    """Commit and a hash of the uncommitted diff (tracked changes plus untracked, non-ignored files).
+# What can change results, and so what the evidence id's code part covers: the project's code, rules, schema,
+# packaging and the embedded default campaign (config/config.yaml is code: it is what runs without
+# --configfile). NOT covered: campaign files under config/campaigns/ (what a campaign resolves to is the
+# id's config hash), docs (*.md, also those beside the code), tests/, tools/ notes, Snakemake report captions
+# (workflow/report/*.rst: report.html only), evidence/ and .evident/. One definition for both paths: the git
+# pathspecs of `git_state` and the globs of `source_hash` (git's `:(glob)` and pathlib's glob agree on these
+# patterns: `*` stays within a directory, `**/` is zero or more directories). A new kind of source file
+# must be added here, or editing it will not change the id.
+SOURCE_GLOBS = (
+    "Snakefile", "pyproject.toml", "Makefile",
+    "config/schema.yaml", "config/config.yaml",
+    "engine/**/*.py", "kernels/**/*.py",
+    "workflow/**/*.py", "workflow/**/*.smk", "workflow/**/*.yaml",  # *.yaml there: the Snakemake profiles
+    "tools/**/*.py", "tools/**/*.sh",
+)
+SOURCE_PATHSPECS = tuple(f":(glob){g}" for g in SOURCE_GLOBS)
 
-    A tree exported without .git (a copy sent to a GPU machine or a cluster) names its commit in
-    EVIDENT_GIT_COMMIT (and EVIDENT_GIT_DIRTY, if any) instead.
+
+def git_state(code_dir: str | Path) -> dict:
+    """Commit, and a hash of the uncommitted changes to the source (SOURCE_GLOBS) or None when it has none.
+
+    The hash covers `git diff HEAD` (staged and unstaged) of the source files plus each untracked,
+    non-ignored source file's name and content; nothing else: a campaign file, a note, a doc or a test
+    can change without changing the id. A tree exported without .git (a copy sent to a GPU machine or a
+    cluster) names its commit in EVIDENT_GIT_COMMIT (and EVIDENT_GIT_DIRTY, if any) instead; with neither,
+    `source_hash` over the same files names it.
     """
     code_dir = Path(code_dir)
     commit = _git(code_dir, "rev-parse", "HEAD")
@@ -115,32 +168,42 @@ def git_state(code_dir: str | Path) -> dict:
             return {"commit": os.environ["EVIDENT_GIT_COMMIT"], "dirty": os.environ.get("EVIDENT_GIT_DIRTY") or None}
         return {"commit": None, "dirty": source_hash(code_dir)}  # no git at all: the code itself names it
     h = hashlib.sha256()
-    diff = _git(code_dir, "diff", "HEAD", "--binary") or b""
+    # no external diff or textconv driver from someone's git config: the bytes hashed are git's own patch
+    diff = _git(code_dir, "diff", "HEAD", "--binary", "--no-ext-diff", "--no-textconv", "--no-color",
+                "--", *SOURCE_PATHSPECS) or b""
     h.update(diff)
-    untracked = (_git(code_dir, "ls-files", "--others", "--exclude-standard", "-z") or b"").split(b"\0")
+    hashed = bool(diff)
+    untracked = (_git(code_dir, "ls-files", "--others", "--exclude-standard", "-z", "--", *SOURCE_PATHSPECS)
+                 or b"").split(b"\0")
     for name in sorted(n for n in untracked if n):
-        p = code_dir / name.decode()
+        p = code_dir / os.fsdecode(name)
         if p.is_file():
             h.update(name + b"\0" + sha256_file(p).encode())
-    dirty = h.hexdigest() if (diff or any(untracked)) else None
-    return {"commit": commit.decode().strip(), "dirty": dirty}
+            hashed = True
+    return {"commit": commit.decode().strip(), "dirty": h.hexdigest() if hashed else None}
 
 
-SOURCE_GLOBS = ("Snakefile", "config/**/*.yaml", "engine/**/*.py", "kernels/**/*.py", "workflow/**/*.py",
-                "workflow/**/*.smk")
+def source_files(code_dir: str | Path) -> list[str]:
+    """The source files (SOURCE_GLOBS) of a tree, relative posix paths, sorted."""
+    code_dir = Path(code_dir)
+    return sorted({p.relative_to(code_dir).as_posix() for g in SOURCE_GLOBS for p in code_dir.glob(g) if p.is_file()})
 
 
-def source_hash(code_dir: Path) -> str:
-    """sha256 over the project's code and config files, for a tree that has no git history."""
+def source_hash(code_dir: str | Path) -> str:
+    """sha256 over the source files (SOURCE_GLOBS: the files `git_state` covers), for a tree with no git history."""
+    code_dir = Path(code_dir)
     h = hashlib.sha256()
-    for pattern in SOURCE_GLOBS:
-        for p in sorted(code_dir.glob(pattern)):
-            h.update(p.relative_to(code_dir).as_posix().encode() + b"\0" + sha256_file(p).encode())
+    for rel in source_files(code_dir):
+        h.update(rel.encode() + b"\0" + sha256_file(code_dir / rel).encode())
     return h.hexdigest()
 
 
 def evidence_id(git: dict, config: dict, repeat: int) -> str:
-    """`<commit7>[-dirty<diff8>]-c<config8>-r<N>`: same code + same config -> same directory."""
+    """`<commit7>[-dirty<diff8>]-c<config8>-r<N>`: same code + same config -> same directory.
+
+    `-dirty` is there only when a source file (SOURCE_GLOBS) differs from the commit; `c<config8>` hashes
+    the resolved campaign, so a campaign file's comments and layout do not count.
+    """
     commit = (git.get("commit") or "0" * 7)[:7]
     dirty = f"-dirty{git['dirty'][:8]}" if git.get("dirty") else ""
     return f"{commit}{dirty}-c{config_hash(config)[:8]}-r{repeat}"

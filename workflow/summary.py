@@ -84,7 +84,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
     oracle = read_json(root / "oracle/hf.json")
     comparison = read_json(root / "parity/comparison.json")
     pk = env["packages"]
-    commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted diff {git['dirty'][:8]}" if git.get("dirty") else "")
+    commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted source diff {git['dirty'][:8]}" if git.get("dirty") else "")
     device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
     out = [
         f"## Evidence: `{config['campaign']}` / `{root.name}`",

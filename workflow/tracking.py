@@ -154,3 +154,41 @@ def finish(evidence_dir: str | Path, ids: dict, uri: str | None = None) -> None:
         if run.info.status != "FINISHED":
             c.log_artifact(ids["parent_run_id"], str(root / "MANIFEST.json"))
             c.set_terminated(ids["parent_run_id"], "FINISHED")
+
+
+def delete_runs(campaign: str, evidence_id: str, run_ids: list[str], uri: str | None = None) -> dict:
+    """Mark deleted (MLflow's own soft delete, `MlflowClient.delete_run`) the given runs and every active
+    run tagged `evident.id` = evidence_id in the campaign's experiment: the runs of a pruned directory.
+
+    Returns {"deleted": [ids], "missing": [given ids this store does not have]}. A SQLite store that does
+    not exist is not created: with no ids given there is nothing to find, else FileNotFoundError. Raises
+    whatever MLflow raises when the store is unreachable.
+    """
+    from mlflow.exceptions import MlflowException
+
+    db = _sqlite_path(uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
+    if db is not None and not db.is_file():
+        if not run_ids:
+            return {"deleted": [], "missing": []}
+        raise FileNotFoundError(f"no MLflow store at {db}")
+    with store_lock(uri):
+        c = client(uri)
+        ids = list(dict.fromkeys(run_ids))
+        exp = c.get_experiment_by_name(campaign)
+        if exp is not None:
+            tagged = c.search_runs([exp.experiment_id], filter_string=f"tags.`evident.id` = '{evidence_id}'",
+                                   max_results=5000)
+            ids += [r.info.run_id for r in tagged if r.info.run_id not in ids]
+        deleted, missing = [], []
+        for run_id in ids:
+            try:
+                run = c.get_run(run_id)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                missing.append(run_id)
+                continue
+            if run.info.lifecycle_stage != "deleted":
+                c.delete_run(run_id)
+                deleted.append(run_id)
+        return {"deleted": deleted, "missing": missing}

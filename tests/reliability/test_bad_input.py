@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ from snakemake.exceptions import WorkflowError
 from workflow import checkpoints
 from workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
 from workflow.cli import configfiles
-from workflow.evidence import MANIFEST
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -47,9 +45,14 @@ def test_the_default_campaign_is_valid():
 
 @pytest.mark.parametrize("key,value,where,why", [
     ("colour", "blue", "<top level>", "'colour' was unexpected"),
-    ("parity.batch_szes", [1], "parity", "'batch_szes' was unexpected"),
+    ("parity.batch_szes", [1], "parity", "'batch_szes' was unexpected; did you mean 'batch_sizes'?"),
+    ("checkpoint.confg", {}, "checkpoint", "'confg' was unexpected; did you mean 'config'?"),
+    ("checkpoint.base", "tny", "checkpoint.base", "no shipped model 'tny'; did you mean 'tiny'?"),
+    ("checkpoint.config.hidden_size", "64", "checkpoint.config.hidden_size", "'64' is not of type 'integer'"),
+    ("checkpoint.config.num_experts_per_tok", 9, "checkpoint.config", "num_experts_per_tok=9 must be <= n_routed_experts=8"),
     ("bench.new_tokens", "16", "bench.new_tokens", "'16' is not of type 'integer'"),
-    ("checkpoint.config.num_hiden_layers", 2, "checkpoint.config", "'num_hiden_layers'"),
+    ("checkpoint.config.num_hiden_layers", 2, "checkpoint.config",
+     "unknown DeepSeek-V2 config field 'num_hiden_layers'; did you mean 'num_hidden_layers'?"),
     ("campaign", "a/b", "campaign", "does not match"),
     ("campaign", "..", "campaign", "does not match"),
     ("campaign", "../escape", "campaign", "does not match"),
@@ -63,10 +66,31 @@ def test_the_default_campaign_is_valid():
     ("cases.0.prompt", "caf\udce9", "cases.0.prompt", "not valid UTF-8"),
     ("cases.0.max_new_tokens", 256, "cases.0.max_new_tokens", "do not fit the model's context of 256"),
     ("cases.0.max_new_tokens", 0, "cases.0.max_new_tokens", "less than the minimum of 1"),
+    ("cases.0.prompt", "many words " * 200, "cases.0.prompt",
+     "the prompt is 1802 tokens and 24 new tokens are asked: more than the model's context of 256 tokens"),
+    ("bench.new_tokens", 250, "bench.prompt", "and 250 new tokens are asked: more than the model's context of 256"),
+    ("quality.gsm8k.limit", 64, "quality.gsm8k.limit", "64 rows asked, the embedded test data has 8"),
+    ("quality.gsm8k.shots", 6, "quality.gsm8k.shots", "6 shots asked, the embedded train data has 5"),
+    ("quality.gsm8k.shots", 5, "quality.gsm8k.shots", "the longest prompt (432 tokens, 5 shots) + max_tokens 24 exceed"),
+    ("quality.gsm8k.max_tokens", 256, "quality.gsm8k.max_tokens", "256 tokens do not fit the model's context of 256"),
+    ("quality.reference", "engine2", "quality.reference", "'engine2' is not one of quality.targets ['hf', 'engine']"),
+    ("parallel.ep_size", 3, "parallel.ep_size", "3 ranks do not divide the model's 8 routed experts"),
 ])
 def test_bad_config_names_the_key(key, value, where, why):
     msg = rejected(tiny(**{key: value}))
     assert f"at `{where}`" in msg and why in msg, msg
+
+
+def test_every_error_at_once():
+    """A typo, a missing `cases` and a bad value: all three, each naming its key, not the first alone."""
+    cfg = tiny(**{"bench.new_tokns": 4, "device": "gpu"})
+    del cfg["cases"]
+    msg = rejected(cfg)
+    assert msg.splitlines() == [
+        "invalid campaign config at `<top level>`: 'cases' is a required property.",
+        "invalid campaign config at `device`: 'gpu' is not one of ['auto', 'cpu', 'cuda'].",
+        "invalid campaign config at `bench`: 'new_tokns' was unexpected; did you mean 'new_tokens'?",
+        "3 errors. See config/schema.yaml and the README's key table."], msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -120,8 +144,9 @@ def test_weights_that_differ_from_checkpoint_json(ckpt, tmp_path):
 
 
 def test_prompt_longer_than_the_context(ckpt):
+    """Before any work where the tokenizer exists then (above: a synthetic one is built from its config); a hub
+    checkpoint's comes with the download, and the checkpoint record counts its prompts."""
     cfg = tiny(**{"cases.0.prompt": "many words " * 200})
-    validate_campaign(cfg, SCHEMA)  # a prompt's tokens need the tokenizer: the checkpoint record counts them
     with pytest.raises(checkpoints.CheckpointInvalid, match=r"cases.0 \(greeting\): the prompt is \d+ tokens and 24 new"
                                                            r" tokens are asked: more than the model's context of 256"):
         checkpoints.check_prompts(ckpt, cfg)
@@ -181,18 +206,20 @@ def test_campaign_files_that_snakemake_refuses(tmp_path):
 
 
 @pytest.mark.slow
-def test_prompt_beyond_the_context_fails_at_the_checkpoint_record(tmp_path):
-    """The first stage that has the tokenizer stops the run: no oracle or engine work, no manifest."""
+def test_prompt_beyond_the_context_stops_before_any_work(tmp_path):
+    """A synthetic checkpoint's tokenizer is built from its config before any work: no evidence directory, no
+    checkpoint written. (A hub checkpoint's prompts are counted by the checkpoint record: test above.)"""
     cfg = {"campaign": "long", "device": "cpu", "checkpoint": copy.deepcopy(TINY["checkpoint"]),
            "cases": [{"name": "long", "prompt": "many words " * 200, "max_new_tokens": 4}],
            "parity": {"batch_sizes": [1], "backends": ["single"]},
            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
            "overlap": {"inputs": 4}, "tracking": {"enabled": False}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    r = subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(tmp_path), "-c2", "record_checkpoint",
+    wd = tmp_path / "wd"
+    r = subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(wd), "-c2", "record_checkpoint",
                         "--configfile", str(tmp_path / "c.yaml")], capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
-    assert r.returncode != 0 and "more than the model's context of 256 tokens" in out, out[-3000:]
-    ev = next((tmp_path / "evidence/long").iterdir())
-    assert not (ev / MANIFEST).exists() and not (ev / "checkpoint.json").exists() and not (ev / "oracle").exists()
-    assert json.loads((ev / "stages/checkpoint.json").read_text())["status"] == "failed"
+    assert r.returncode != 0, out[-3000:]
+    assert ("invalid campaign config at `cases.0.prompt`: the prompt is 1802 tokens and 4 new tokens are asked: more "
+            "than the model's context of 256 tokens") in out, out[-3000:]
+    assert not (wd / "evidence").exists() and not (wd / ".evident").exists()

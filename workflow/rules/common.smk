@@ -5,7 +5,8 @@ import sys
 
 from workflow import gpus
 from workflow.campaign import evidence_config
-from workflow.evidence import config_hash, evidence_id, git_state
+from workflow.estimate import cache_dir
+from workflow.evidence import evidence_id, git_state
 
 PY = sys.executable  # the stages run in the interpreter that runs Snakemake
 GIT = git_state(workflow.basedir)
@@ -77,12 +78,9 @@ CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
 
 def checkpoint_dir():
     """A local checkpoint is used in place (never a rule's output, so Snakemake never deletes it);
-    synthetic and hub ones live in a cache keyed by their spec."""
+    synthetic and hub ones live in a cache keyed by their spec (workflow/estimate.py checks its free disk)."""
     spec = config["checkpoint"]
-    if spec["source"] == "local":
-        return spec["path"]
-    key = config_hash({"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]})[:12]
-    return f".evident/checkpoints/{spec['source']}-{key}"
+    return spec["path"] if spec["source"] == "local" else str(cache_dir(config))
 
 
 CKPT = checkpoint_dir()

@@ -1,7 +1,7 @@
 """Stage `bench-report`: the benchmark table, plot and the comparison against a baseline.
 
 Writes bench/summary.csv, plots/bench.png and bench/baseline.json. A baseline (`bench.baseline`:
-an evidence directory, or an evidence id or unique prefix in this campaign) yields a directional
+an evidence directory, or an evidence id, any unique part of one, or @latest, in this campaign) yields a directional
 claim per cell only where contract, versions and model match and neither cell is noisy.
 """
 
@@ -41,7 +41,7 @@ def compare_to(cells: list[dict], base_dir: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("--baseline", default=None, help="bench.baseline: an evidence directory, id or unique id prefix")
+    ap.add_argument("--baseline", default=None, help="bench.baseline: an evidence directory, id, any unique part of an id, or @latest")
     ap.add_argument("cells", nargs="+", type=Path, help="bench/<backend>-b<B>.json files")
     args = ap.parse_args(argv)
     try:

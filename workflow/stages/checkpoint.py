@@ -1,7 +1,8 @@
 """Stage `checkpoint`: materialise the campaign's checkpoint directory and record its hashes.
 
-`fetch` fills the checkpoint cache (synthetic: seeded write; hub: pinned snapshot); `record`
-verifies the directory (missing or corrupt files, expected sha256) and writes checkpoint.json.
+`fetch` fills the checkpoint cache (synthetic: the size estimate first, then a seeded write that reports its
+progress; hub: pinned snapshot, then its estimate); `record` verifies the directory (missing or corrupt files,
+expected sha256) and writes checkpoint.json.
 """
 
 from __future__ import annotations
@@ -12,22 +13,29 @@ import sys
 import time
 from pathlib import Path
 
-from workflow import checkpoints, environment
+from workflow import checkpoints, environment, estimate
 from workflow.evidence import Stage, read_config
+
+
+def say(line: str) -> None:
+    print(f"[checkpoint] {line}", flush=True)
 
 
 def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
     t0 = time.perf_counter()
     if spec["source"] == "synthetic":
-        print(f"[checkpoint] writing synthetic checkpoint (seed {spec['seed']}, {dtype}) to {ckpt_dir}", flush=True)
+        say(f"estimate: {estimate.need(estimate.parameters(spec['config']), dtype).line()}")
+        say(f"writing synthetic checkpoint (seed {spec['seed']}, {dtype}) to {ckpt_dir}")
         checkpoints.write_synthetic(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype,
-                                    init_device=environment.resolve_device(device))
+                                    init_device=environment.resolve_device(device), progress=say)
     elif spec["source"] == "hub":
-        print(f"[checkpoint] fetching {spec['repo_id']}@{spec['revision']}", flush=True)
+        say(f"fetching {spec['repo_id']}@{spec['revision']}")
         checkpoints.fetch_hub(ckpt_dir, spec["repo_id"], spec["revision"])
+        if params := estimate.local_parameters(ckpt_dir):
+            say(f"estimate: {estimate.need(params, dtype).line()}")
     else:
         raise ValueError(f"checkpoint.source {spec['source']!r} has nothing to fetch")
-    print(f"[checkpoint] ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    say(f"ready in {time.perf_counter() - t0:.1f}s")
 
 
 def record(ckpt_dir: Path, evidence: Path) -> None:

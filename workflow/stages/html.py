@@ -251,7 +251,7 @@ def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
         ["campaign", ev.campaign], ["evidence id", Raw(f"<code>{esc(ev.id)}</code>")],
         ["state", badge(ev.state)], ["created (UTC)", ev.created or "—"], ["sealed (UTC)", m.get("sealed_utc", "—")],
         ["commit", Raw(f"<code>{esc(git.get('commit') or ev.commit)}</code>"
-                       + (f" + uncommitted diff <code>{esc(git['dirty'][:8])}</code>" if git.get("dirty") else ""))],
+                       + (f" + uncommitted source diff <code>{esc(git['dirty'][:8])}</code>" if git.get("dirty") else ""))],
         ["config sha256", Raw(f"<code>{esc(m.get('config_sha256', '—'))}</code>")],
         ["device / dtype", f"{ev.device} / {cfg.get('dtype', '?')}"],
         ["torch / transformers", f"{pk.get('torch', '?')} / {pk.get('transformers', '?')}"],
