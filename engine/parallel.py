@@ -92,6 +92,11 @@ class ExpertParallel:
         host.copy_(t)  # blocking: the buffer is reused on the next call
         return host
 
+    def barrier(self) -> None:
+        """Wait until every rank gets here (on success only: a barrier after a rank failed would hang)."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+
     def before_close(self, fn) -> None:
         """Run ``fn()`` at the start of close(). CUDA graphs that captured NCCL collectives must be freed before the
         communicator is destroyed, or destroy_process_group hangs (pytorch/pytorch#115388)."""

@@ -7,6 +7,7 @@ original per-expert parameter names that hub checkpoints use, a byte-level BPE t
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -55,8 +56,8 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    try:
-        cfg = DeepseekV2Config(**hf_config)
+    try:  # a copy: transformers rewrites the rope dict it is given in place (type -> rope_type)
+        cfg = DeepseekV2Config(**copy.deepcopy(hf_config))
     except (TypeError, ValueError) as e:
         raise CheckpointInvalid(f"checkpoint.config is not a valid DeepseekV2Config: {e}") from e
     with torch.device("meta"):

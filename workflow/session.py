@@ -147,6 +147,8 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
     try:
         model = load_engine(ckpt_dir, device, config["dtype"], ep, kernels)
         yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), ep, kernels, ckpt_dir)
+        if ep is not None:  # ranks leave together: one tore its gloo group down while rank 0 still wrote, and aborted
+            ep.barrier()
     finally:
         if ep is not None:
             ep.close()
