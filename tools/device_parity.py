@@ -76,12 +76,11 @@ def diagnose(ckpt: Path, ev: Path, dtype: str) -> list[str]:
         with torch.inference_mode():
             for case in o["cases"]:
                 ref, ids = case["reference"], case["prompt_ids"] + case["generated_ids"]
-                got = logprobs.at(model(torch.tensor([ids], device=DEVICE), LatentCache.for_model(model, 1, len(ids)))[0, :-1],
-                                  ref["top_ids"])
-                whole.append(logprobs.errors(ref, got["ref_logprobs"], got["top1"]))
+                logits = model(torch.tensor([ids], device=DEVICE), LatentCache.for_model(model, 1, len(ids)))[0, :-1]
+                whole.append(logprobs.row_errors(ref, logprobs.at(logits, ref["top_ids"])))
                 pos = logprobs.Positions(len(ref["top_ids"][0]), ref["top_ids"])
                 forced(model, [case["prompt_ids"]], [case["generated_ids"]], pos)
-                decode.append(logprobs.errors(ref, pos.rows[0]["ref_logprobs"], [t[0] for t in pos.rows[0]["top_ids"]]))
+                decode.append(logprobs.row_errors(ref, pos.rows[0]))
         for what, errs in (("whole path, one forward", whole), ("prefill + forced decode", decode)):
             st = logprobs.stats(errs)
             lines.append(f"| {what} | {reduced} | {st['mean']:.4f} | {st['p99']:.3f} | {st['max']:.3f} | "
@@ -101,7 +100,7 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
     rows = []
     with session.open_session(ckpt, ev, "single") as s:
         models = {cfg["dtype"]: s.model}
-        for dtype in parity.dtypes_of(cfg)[1:]:
+        for dtype in logprobs.dtypes(cfg["dtype"])[1:]:
             models[dtype] = session.load_engine(ckpt, s.device, dtype, None, "torch")
         for name in names:
             t = time.time()

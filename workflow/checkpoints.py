@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -192,7 +193,7 @@ def shard_plan(sizes: list[tuple[str, int]]) -> list[list[str]]:
 def _save_sharded(out: Path, shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, draw, progress) -> None:
     from safetensors.torch import save_file
 
-    nbytes = {name: itemsize * _numel(shape) for name, shape in shapes}
+    nbytes = {name: itemsize * math.prod(shape) for name, shape in shapes}
     shape_of = dict(shapes)
     plan = shard_plan(list(nbytes.items()))
     total, done, t0 = sum(nbytes.values()), 0, time.monotonic()
@@ -214,13 +215,6 @@ def _save_sharded(out: Path, shapes: list[tuple[str, tuple[int, ...]]], itemsize
     if len(plan) > 1:
         weight_map = {name: fname for fname, shard in zip(names, plan) for name in shard}
         write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _gb(n: int) -> str:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
-import struct
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelArgs
 from workflow import checkpoints, gsm8k
@@ -64,17 +66,14 @@ def parameters(hf_config: dict) -> int:
 
 
 def local_parameters(path: str | Path) -> int | None:
-    """Elements of every tensor in a checkpoint directory's safetensors headers; None when unreadable (the
-    checkpoint record names what is wrong)."""
+    """Elements of every tensor in a checkpoint directory's safetensors, read from their headers (numpy framework:
+    no torch, no tensor data); None when unreadable (the checkpoint record names what is wrong)."""
     total = 0
     try:
-        files = sorted(Path(path).glob("*.safetensors"))
-        for f in files:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            total += sum(checkpoints._numel(t["shape"]) for k, t in header.items() if k != "__metadata__")
-    except (OSError, ValueError, KeyError, TypeError, struct.error, AttributeError):
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="numpy") as fh:
+                total += sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError):
         return None
     return total or None
 
@@ -121,12 +120,10 @@ def host_memory() -> int:
 
 
 def gpu_memory() -> int | None:
-    """The smallest visible GPU's memory; None without torch.cuda."""
-    import torch
+    """The smallest visible GPU's memory; None without nvidia-smi."""
+    from workflow import gpus
 
-    if not torch.cuda.is_available():
-        return None
-    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return gpus.smallest_memory()
 
 
 def free_disk(path: Path) -> int:

@@ -44,6 +44,21 @@ def visible() -> list[str] | None:
     return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
 
 
+def smallest_memory() -> int | None:
+    """Bytes of the smallest GPU nvidia-smi lists (of those CUDA_VISIBLE_DEVICES names, by index, where set);
+    None without nvidia-smi. Asked of nvidia-smi, not torch: the Snakemake process that checks a campaign must
+    not hold a CUDA context of its own through the run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = dict(tuple(f.strip() for f in line.split(",")) for line in out.splitlines() if line.count(",") == 1)
+    names = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    chosen = [sizes[d] for d in names if d in sizes] if names else list(sizes.values())
+    return min(int(mib) << 20 for mib in chosen) if chosen else None
+
+
 def pool(size: int | None) -> list[str] | None:
     """The local run's devices: the first `size` visible ones (`--resources gpu=size`), else all visible
     (None when unknown). With `size` and nothing known about the machine (no nvidia-smi, no

@@ -48,9 +48,15 @@ def reference(logits: torch.Tensor, top_k: int) -> dict:
 
 def at(logits: torch.Tensor, ids: list[list[int]]) -> dict:
     """Another run's log-probs of the reference's ids (logits [T, vocab]), and its own top-1."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return {"ref_logprobs": lp.gather(-1, torch.tensor(ids, device=lp.device)).tolist(),
-            "top1": lp.argmax(-1).tolist()}
+    pos = Positions(1, ids)
+    pos(logits[None])
+    row = pos.rows[0]
+    return {"ref_logprobs": row["ref_logprobs"], "top1": [t[0] for t in row["top_ids"]]}
+
+
+def dtypes(campaign: str) -> list[str]:
+    """The dtypes the engine's forced runs take: the campaign's, then float32 (the logic check's) unless the same."""
+    return list(dict.fromkeys([campaign, REFERENCE_DTYPE]))
 
 
 def errors(ref: dict, got_logprobs: list[list[float]], got_top1: list[int]) -> dict:
@@ -61,6 +67,12 @@ def errors(ref: dict, got_logprobs: list[list[float]], got_top1: list[int]) -> d
         raise ValueError(f"log-probs of {tuple(got.shape)} (positions, top-k) against the reference's {tuple(want.shape)}")
     top1 = torch.tensor([ids[0] for ids in ref["top_ids"]]) == torch.tensor(got_top1)
     return {"delta": (got - want).abs(), "top1": top1}
+
+
+def row_errors(ref: dict, row: dict) -> dict:
+    """`errors` of one recorded row: a Positions row, or `at`'s record (its `top1`)."""
+    top1 = row["top1"] if "top1" in row else [ids[0] for ids in row["top_ids"]]
+    return errors(ref, row["ref_logprobs"], top1)
 
 
 def stats(deltas: list[dict]) -> dict:

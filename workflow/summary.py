@@ -6,7 +6,7 @@ from pathlib import Path
 
 from workflow.evidence import read_config, read_json
 from workflow.traces import markdown
-from workflow.verdicts import SEVERITY
+from workflow.verdicts import worst
 
 
 def _divergence(d: dict) -> str:
@@ -25,10 +25,6 @@ def _divergence(d: dict) -> str:
     return f"{where}row {d['row']} step {d['step']}: {d['row_token']} vs row 0 {d['row0_token']}"
 
 
-def _worst(verdicts) -> str:
-    return max(verdicts, key=SEVERITY.index)
-
-
 def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
     """One row per backend x decode path x batch: the free-running cases, then the two teacher-forced checks;
     below, each distinct first divergence with the cells it occurs in."""
@@ -45,14 +41,14 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
             f" / {pr['engine']['top1_agreement']:.2f} vs {pr['transformers']['top1_agreement']:.2f}" if pr["applies"] else "")
         rows.append([f["backend"], f["kernels"], f["batch"],
                      f"{sum(c['verdict'] == 'all_token_text_exact' for c in cases)}/{len(cases)} exact",
-                     "—" if lg is None else f"{lg['max']:.2g}", prec, top1, f"`{_worst(c['verdict'] for c in mine)}`"])
+                     "—" if lg is None else f"{lg['max']:.2g}", prec, top1, f"`{worst(c['verdict'] for c in mine)}`"])
     transport: dict[tuple, list[str]] = {}
     for c in cells:
         if c["backend"] == "host-staged vs collective":
             transport.setdefault((c["kernels"], c["batch"]), []).append(c["verdict"])
     for (kernels, batch), verdicts in transport.items():
         rows.append(["host-staged vs collective", kernels, batch,
-                     f"{verdicts.count('all_token_text_exact')}/{len(verdicts)} equal", "—", "—", "—", f"`{_worst(verdicts)}`"])
+                     f"{verdicts.count('all_token_text_exact')}/{len(verdicts)} equal", "—", "—", "—", f"`{worst(verdicts)}`"])
     seen: dict[str, list[str]] = {}
     for c in cells:
         if c["first_divergence"]:

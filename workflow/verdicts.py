@@ -4,3 +4,7 @@ SEVERITY = ["all_token_text_exact", "near_tie_divergence", "precision_regression
             "transport_regression", "batch_row_mismatch"]
 # what the gate fails the run on after sealing; `parity.require_exact` adds near_tie_divergence
 DEFECTS = SEVERITY[2:]
+
+
+def worst(verdicts) -> str:
+    return max(verdicts, key=SEVERITY.index)

@@ -84,8 +84,7 @@ def forced_rows(oracle: dict, case: dict, dtype: str, where: str) -> list[dict]:
     if run is None:
         raise HashMismatch(f"{where}: no teacher-forced run in {dtype}")
     try:
-        return [logprobs.errors(oracle["reference"], row["ref_logprobs"], [ids[0] for ids in row["top_ids"]])
-                for row in run["rows"]]
+        return [logprobs.row_errors(oracle["reference"], row) for row in run["rows"]]
     except ValueError as e:
         raise HashMismatch(f"{where}: the {dtype} teacher-forced run does not follow the oracle's path: {e}") from e
 
@@ -122,34 +121,28 @@ def logic_check(oracle: dict, case: dict, rows: list[dict], tol: float) -> dict:
     return {**out, "pass": True}
 
 
-def check_forced(oracle: dict, case: dict, dtype: str, tol: float, where: str) -> tuple[str | None, dict | None,
-                                                                                     dict | None, list]:
-    """One case's forced runs: (failing verdict or None, its detail, the logic check, the float32 rows' errors).
-    Rows of the batch must agree in every dtype's run; then the float32 run must stay within tol."""
-    for d in dict.fromkeys([dtype, REFERENCE_DTYPE]):
+def check_forced(oracle: dict, case: dict, dtypes: list[str], rows: list[dict], tol: float) -> tuple[
+        str | None, dict | None, dict | None]:
+    """One case's forced runs: (failing verdict or None, its detail, the logic check of the float32 rows' errors
+    `rows`). Rows of the batch must agree in every dtype's run; then the float32 run must stay within tol."""
+    for d in dtypes:
         if (m := forced_row_mismatch(oracle, case, d, tol)) is not None:
-            return "batch_row_mismatch", m, None, []
-    rows = forced_rows(oracle, case, REFERENCE_DTYPE, where)
+            return "batch_row_mismatch", m, None
     logic = logic_check(oracle, case, rows, tol)
-    return None if logic["pass"] else "engine_accuracy_gap", logic["first_out"], logic, rows
+    return None if logic["pass"] else "engine_accuracy_gap", logic["first_out"], logic
 
 
-def precision_check(oracle: dict, run: dict, dtype: str, bound: float) -> dict:
-    """The engine's error against the float32 reference in the campaign's dtype, over transformers' own."""
-    if dtype == REFERENCE_DTYPE:
+def precision_check(oracle: dict, engine: dict[str, list[dict]], transformers: dict[str, dict], bound: float) -> dict:
+    """The engine's error against the float32 reference in the campaign's dtype (per case, each row's), over
+    transformers' own (per case)."""
+    if oracle["dtype"] == REFERENCE_DTYPE:
         return {"applies": False, "reason": "a float32 campaign: the logic check is its precision check"}
-    engine, hf, ratios = [], [], {}
-    by_name = {c["name"]: c for c in oracle["cases"]}
-    for case in run["cases"]:
-        o = by_name[case["name"]]
-        mine = forced_rows(o, case, dtype, f"{label(run)} case {case['name']}")
-        theirs = logprobs.errors(o["reference"], o["same_dtype"]["ref_logprobs"], o["same_dtype"]["top1"])
-        engine += mine
-        hf.append(theirs)
-        ratios[case["name"]] = _ratio(logprobs.stats(mine)["mean"], logprobs.stats([theirs])["mean"])
-    e, h = logprobs.stats(engine), logprobs.stats(hf)
+    ratios = {name: _ratio(logprobs.stats(rows)["mean"], logprobs.stats([transformers[name]])["mean"])
+              for name, rows in engine.items()}
+    e = logprobs.stats([r for rows in engine.values() for r in rows])
+    h = logprobs.stats([transformers[name] for name in engine])
     ratio = _ratio(e["mean"], h["mean"])
-    return {"applies": True, "dtype": dtype, "engine": e, "transformers": h, "ratio": ratio, "bound": bound,
+    return {"applies": True, "dtype": oracle["dtype"], "engine": e, "transformers": h, "ratio": ratio, "bound": bound,
             "case_ratios": ratios, "pass": ratio is not None and ratio <= bound}
 
 
@@ -192,28 +185,31 @@ def compare(oracle: dict, runs: list[dict], near_tie: float, logic_tolerance: fl
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
         check_hashes(f"oracle case {c['name']}", c)
+    dtypes = logprobs.dtypes(oracle["dtype"])
+    transformers = ({c["name"]: logprobs.row_errors(c["reference"], c["same_dtype"]) for c in oracle["cases"]}
+                    if oracle["dtype"] != REFERENCE_DTYPE else {})
     cells, forced = [], []
     for run in runs:
         names = sorted(c["name"] for c in run["cases"])
         if names != sorted(by_name):
             raise HashMismatch(f"{label(run)}: cases {names} differ from the oracle's {sorted(by_name)}")
-        logic, start = [], len(cells)
+        logic, engine, start = [], {}, len(cells)
         for case in run["cases"]:
+            o, where = by_name[case["name"]], f"{label(run)} case {case['name']}"
             for r, row in enumerate(case["rows"]):
-                check_hashes(f"{label(run)} case {case['name']} row {r}", row)
-            for dtype in dict.fromkeys([oracle["dtype"], REFERENCE_DTYPE]):  # present even where not decisive
-                forced_rows(by_name[case["name"]], case, dtype, f"{label(run)} case {case['name']}")
-            verdict, div = compare_case(by_name[case["name"]], case, near_tie)
+                check_hashes(f"{where} row {r}", row)
+            errs = {d: forced_rows(o, case, d, where) for d in dtypes}  # present even where not decisive
+            engine[case["name"]] = errs[oracle["dtype"]]
+            verdict, div = compare_case(o, case, near_tie)
             checked = None
             if verdict != "batch_row_mismatch":  # the forced checks decide unless the free run is already worse
-                bad, detail, checked, rows = check_forced(by_name[case["name"]], case, oracle["dtype"], logic_tolerance,
-                                                          f"{label(run)} case {case['name']}")
-                logic += rows
+                bad, detail, checked = check_forced(o, case, dtypes, errs[REFERENCE_DTYPE], logic_tolerance)
+                logic += errs[REFERENCE_DTYPE]
                 if bad is not None and SEVERITY.index(bad) > SEVERITY.index(verdict):
                     verdict, div = bad, detail
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
                           "verdict": verdict, "first_divergence": div, "logic": checked})
-        precision = precision_check(oracle, run, oracle["dtype"], precision_bound)
+        precision = precision_check(oracle, engine, transformers, precision_bound)
         forced.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"],
                        "logic": {**logprobs.stats(logic), "tolerance": logic_tolerance} if logic else None,
                        "precision": precision})
@@ -228,7 +224,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float, logic_tolerance: fl
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": "all",
                           "verdict": "precision_regression", "first_divergence": figures})
     cells += transport_cells(runs)
-    worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))
+    worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],

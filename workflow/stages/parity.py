@@ -20,7 +20,6 @@ import torch
 from engine.checkpoint import CheckpointError
 from engine.generate import forced, generate
 from workflow import logprobs
-from workflow.logprobs import REFERENCE_DTYPE
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.traces import first_difference, token_at
@@ -64,11 +63,6 @@ def run_forced(s: Session, oracle: dict, batch: int) -> dict[str, dict]:
     return out
 
 
-def dtypes_of(config: dict) -> list[str]:
-    """The campaign's dtype, then float32 (the logic check's run) unless that is the campaign's."""
-    return list(dict.fromkeys([config["dtype"], REFERENCE_DTYPE]))
-
-
 def run_record(s: Session, batch: int, cases: list[dict], forced_runs: dict[str, dict]) -> dict:
     """parity/<run>-b<B>.json: the free-running cases, each with its forced runs per dtype."""
     for case in cases:
@@ -81,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with engine_stage("parity", args) as (st, s):
             oracle = read_json(args.evidence / "oracle/hf.json")  # the forced runs follow its traces
-            dtypes, runs = dtypes_of(s.config), {}
+            dtypes, runs = logprobs.dtypes(s.config["dtype"]), {}
             for batch in args.batch_sizes:
                 label = f"{run_name(args.backend, args.kernels)}-b{batch}"
                 runs[batch] = (label, run_batch(s, batch, label), {dtypes[0]: run_forced(s, oracle, batch)})
