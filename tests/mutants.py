@@ -1,6 +1,6 @@
 """Small known engine bugs, applied to a scratch copy of `engine/` (never to the tree under test).
 
-Each mutant is one textual edit of `engine/model.py`. The logic mutants change the maths a little (on the tiny
+Each mutant is one textual edit of `engine/model.py`. A row mutant breaks only rows after the first of a batch. The logic mutants change the maths a little (on the tiny
 model the float32 log-probs move by 0.02-0.5 nats at most, 0.003-0.04 on average); the precision mutant changes
 only the dtype of a reduction, so in float32 it is no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
 `applied(model, name)` swaps the mutated classes into an engine already loaded (tools/device_parity.py: one
@@ -36,11 +36,16 @@ MUTANTS = {
                           "        freqs_cis = self.freqs_cis(pos)"),
     "yarn_hard_ramp": ("logic", "rope: yarn's linear ramp replaced by a step",
                        "extrapolation_factor = 1 - ramp", "extrapolation_factor = 1 - (ramp > 0.5).float()"),
+    "rows_skip_pos1": ("rows", "batched decode: rows after the first skip cache position 1",
+                       "freqs_cis = self.freqs_cis(pos)",
+                       "mask = mask.clone()\n        if T == 1 and length > 2 and B > 1:\n            mask[1:, ..., 1] = False\n"
+                       "        freqs_cis = self.freqs_cis(pos)"),
     "norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
                           "h = x.float()\n", "h = x\n"),
 }
 LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
 PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
+ROWS = [n for n, m in MUTANTS.items() if m[0] == "rows"]
 
 
 def mutated_source(name: str) -> str:

@@ -113,3 +113,14 @@ def test_precision_mutant_fails_the_precision_check_only(results, name):
     assert r["first_divergence"]["bound"] == PARITY["precision_bound"]
     # in float32 the low-dtype reduction is float32 itself: nothing to see, and nothing seen
     assert results[name]["float32"]["verdict"] == "all_token_text_exact"
+
+
+@pytest.mark.parametrize("name", mutants.ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_mutant_is_a_batch_row_mismatch(results, name, dtype):
+    """A bug in one row of the batched decode step: batch 2 parts its rows; batch 1 has none to part."""
+    r = results[name][dtype]
+    assert r["verdict"] == "batch_row_mismatch", r["first_divergence"]
+    assert r["first_divergence"]["row"] == 1
+    b1 = [c for c in r["cells"] if c["batch"] == 1 and c["case"] != "all"]
+    assert b1 and all(c["verdict"] not in ("batch_row_mismatch", "engine_accuracy_gap") for c in b1)
