@@ -1,8 +1,9 @@
 """Small known engine bugs, applied to a scratch copy of `engine/` (never to the tree under test).
 
-Each mutant is one textual edit of `engine/model.py`. A row mutant breaks only rows after the first of a batch. The logic mutants change the maths a little (on the tiny
-model the float32 log-probs move by 0.02-0.5 nats at most, 0.003-0.04 on average); the precision mutant changes
-only the dtype of a reduction, so in float32 it is no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
+Each mutant is one textual edit of `engine/model.py`. The logic mutants change the maths a little (on the tiny
+model the float32 log-probs move by 0.02-0.5 nats at most, 0.003-0.04 on average); the row mutant breaks only the
+rows after the first of a batch; the precision mutant changes only the dtype of a reduction, so in float32 it is
+no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
 `applied(model, name)` swaps the mutated classes into an engine already loaded (tools/device_parity.py: one
 load of a 15.7B-parameter model serves every mutant).
 """
