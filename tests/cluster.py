@@ -43,7 +43,25 @@ def default_local_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProce
         r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(wd), "-c2"],
                            capture_output=True, text=True, env=env, timeout=900)
         _LOCAL_RUN["run"] = (wd, r, time.perf_counter() - t0)
+        # a copy of its trained checkpoint, before any test removes that working directory's .evident
+        for src in (wd / ".evident/checkpoints").glob("trained-*/"):
+            _LOCAL_RUN["checkpoint"] = Path(shutil.copytree(src, tmp_path_factory.mktemp("trained") / src.name))
     return _LOCAL_RUN["run"]
+
+
+def trained_checkpoint(tmp_path_factory) -> Path:
+    """The default campaign's trained checkpoint, from the shared local run (training it is over a minute)."""
+    wd, r, _ = default_local_run(tmp_path_factory)
+    if "checkpoint" not in _LOCAL_RUN:
+        raise AssertionError(f"the default run left no trained checkpoint: {r.stdout[-3000:]}{r.stderr[-3000:]}")
+    return _LOCAL_RUN["checkpoint"]
+
+
+def seed_checkpoint_cache(wd: Path, tmp_path_factory) -> None:
+    """Put the default campaign's trained checkpoint in wd's cache, so that a run of the default campaign there
+    finds it as a second run of a user finds theirs."""
+    src = trained_checkpoint(tmp_path_factory)
+    shutil.copytree(src, wd / ".evident/checkpoints" / src.name)
 
 
 class Unavailable(Exception):

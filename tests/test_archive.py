@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import cluster
 import handbuilt
 import headless
 from workflow import archive, cli
@@ -350,8 +351,10 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """The default campaign, run once for this module, in its own working directory."""
+    """The default campaign, run once for this module, in its own working directory (its trained checkpoint cached
+    already, from the shared default run)."""
     wd = tmp_path_factory.mktemp("archive-default")
+    cluster.seed_checkpoint_cache(wd, tmp_path_factory)
     r = snakemake(wd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (ev,) = [d for d in (wd / "evidence/tiny").iterdir() if d.is_dir()]

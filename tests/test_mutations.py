@@ -28,6 +28,11 @@ DTYPES = ("float32", "bfloat16")
 # the shipped defaults (tolerance, bound, top-k), on the single backend at batches 1 and 2
 PARITY = {**tinyev.defaults(yaml.safe_load((mutants.REPO / "config/schema.yaml").read_text())["properties"]["parity"]),
           "batch_sizes": [1, 2], "backends": ["single"], "kernels": ["torch"]}
+# The cases the suite's figures were measured on (the random-weight tiny model: decisive greedy traces), kept here
+# rather than taken from the default campaign, whose cases suit its trained model.
+CASES = [{"name": "greeting", "prompt": "Hello, evident! The engine says", "max_new_tokens": 24},
+         {"name": "arithmetic", "prompt": "Question: what is 12 + 30?\nAnswer:", "max_new_tokens": 24},
+         {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 16}]
 # runs in the scratch directory, so that `engine` is the mutated copy (first on PYTHONPATH), never the tree's
 RUN = """
 import sys
@@ -48,7 +53,7 @@ def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mutations")
     shared = {}
     for dtype in DTYPES:
-        ckpt, ev = tinyev.make(root / dtype, tinyev.config(dtype=dtype, parity=PARITY))
+        ckpt, ev = tinyev.make(root / dtype, tinyev.config(dtype=dtype, parity=PARITY, cases=CASES))
         oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
         shared[dtype] = (ckpt, ev)
     out = {}

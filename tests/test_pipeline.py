@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import getpass
 import gzip
 import json
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 import cluster
+import tinyev
 
 from workflow.evidence import MANIFEST, config_hash, sha256_file
 
@@ -38,14 +38,14 @@ TINY = yaml.safe_load((REPO / "config/config.yaml").read_text())
 
 
 def campaign(tmp: Path, **overrides) -> Path:
-    """A whole campaign file (nothing is inherited from config/config.yaml): the tiny model, one
-    case, the single backend, with overrides."""
-    cfg = {"campaign": "e2e", "device": "cpu", "checkpoint": copy.deepcopy(TINY["checkpoint"]),
+    """A whole campaign file (nothing is inherited from config/config.yaml): the tiny model with random weights,
+    one case, the single backend, with overrides. The quality gate is advisory: on random weights it makes no claim."""
+    cfg = {"campaign": "e2e", "device": "cpu", "checkpoint": tinyev.synthetic(),
            "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
            "parity": {"batch_sizes": [1, 3], "backends": ["single"]},
            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
            # the schema's GSM8K defaults (64 rows, 5 shots) do not fit the embedded set and the tiny context
-           "quality": {"targets": ["hf", "engine"], "reference": "hf",
+           "quality": {"targets": ["hf", "engine"], "reference": "hf", "advisory": True,
                        "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}}}
     for key, value in overrides.items():
         node = cfg
@@ -107,9 +107,14 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     assert "### Overlap A/B screen" in summary and "64/64 freshly drawn input sets" in summary
     assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
     # the GSM8K quality gate (embedded set, engine through its endpoint against hf) and the profile capture
+    # the quality gate on the trained checkpoint: held-out generated questions, answers against gold
     assert manifest["quality"] == "pass" and manifest["stages"]["quality"] == "ok"
-    assert "### GSM8K quality gate (8 test rows, 2 shots" in summary and "**Quality verdict: `pass`**" in summary
-    assert "a parity gate on extracted answers" in summary
+    assert "### GSM8K quality gate (64 test rows, 2 shots" in summary and "**Quality verdict: `pass`**" in summary
+    assert "Compared: extracted answers (strict match) against gold" in summary and "identical completions 64/64" in summary
+    hf = json.loads((ev / "quality/gsm8k64-hf.json").read_text())
+    assert hf["accuracy"] >= 0.5 and hf["data"]["test"]["source"] == "generated", hf
+    trained = json.loads((ev / "checkpoint.json").read_text())["trained"]
+    assert trained["train"]["steps"] == 800 and trained["loss"]["last"] < trained["loss"]["first"]
     assert "### Profile capture (torch, 4 decode steps" in summary and "ncu: no CUDA device" in summary
     cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
     assert {c["backend"] for c in cells} == {*backends, "host-staged vs collective"}
@@ -208,7 +213,7 @@ def test_tracking_unreachable_still_seals_complete_evidence(tmp_path):
 def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
     from workflow.checkpoints import write_synthetic
 
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["checkpoint"]
+    cfg = tinyev.synthetic()
     ckpt = write_synthetic(tmp_path / "ckpt", cfg["config"], 0, cfg["init_std"], "float32")
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])

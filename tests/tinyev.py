@@ -1,5 +1,7 @@
 """A tiny evidence directory for stage tests: the default campaign's config (schema defaults filled in for the
-sections named), its synthetic checkpoint, config.yaml and checkpoint.json, as the rules leave them."""
+sections named) on the random-weight synthetic checkpoint of its model (training it is for the tests that need
+trained weights: tests/test_training.py, the default run), config.yaml and checkpoint.json, as the rules leave
+them."""
 
 from __future__ import annotations
 
@@ -25,10 +27,17 @@ def defaults(schema: dict) -> dict:
     return out
 
 
+def synthetic() -> dict:
+    """The default campaign's model as a random-weight synthetic checkpoint spec (init_std 0.08: decisive traces)."""
+    model = yaml.safe_load((REPO / "config/models/tiny.yaml").read_text())
+    return {"source": "synthetic", "seed": 0, "init_std": 0.08, "config": model}
+
+
 def config(**sections) -> dict:
-    """The default campaign with every quality/nsight key at its schema default, overridden by `sections`
-    (dicts are merged one level deep, gsm8k two)."""
+    """The default campaign on the synthetic checkpoint, with every quality/nsight key at its schema default,
+    overridden by `sections` (dicts are merged one level deep, gsm8k two)."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg["checkpoint"] = synthetic()
     schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
     for name in ("quality", "nsight"):
         base = defaults(schema[name])

@@ -18,7 +18,7 @@ from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
 
 from engine.config import ModelArgs
-from workflow import estimate
+from workflow import checkpoints, estimate
 from workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
@@ -61,6 +61,9 @@ def did_you_mean(name, candidates, listing: bool = False) -> str:
 def validate_campaign(config: dict, schema: str) -> None:
     """Validate, fill defaults and resolve the campaign in place (checkpoint.base merged into checkpoint.config;
     quality.gsm8k's null limit, shots and max_tokens fitted); raise one WorkflowError listing every problem."""
+    spec = config.get("checkpoint")
+    if isinstance(spec, dict) and spec.get("source") == "trained":
+        spec.setdefault("train", {})  # so that the schema fills its defaults in, for this source only
     problems = schema_problems(config, schema)
     if not problems:  # the checks below rely on the schema's types and defaults
         model = resolve_model(config, problems)
@@ -111,15 +114,18 @@ def schema_problems(config: dict, schema: str) -> list[tuple[str, str]]:
 
 
 def resolve_model(config: dict, problems: list) -> dict | None:
-    """A synthetic campaign's model config: checkpoint.base's fields overridden by checkpoint.config, written back
-    as checkpoint.config (base is dropped: the evidence records and hashes the merged config, so a campaign with a
-    base and one written out in full are the same). None when there is none or it is refused."""
+    """A synthetic or trained campaign's model config: checkpoint.base's fields overridden by checkpoint.config,
+    written back as checkpoint.config (base is dropped: the evidence records and hashes the merged config, so a
+    campaign with a base and one written out in full are the same). None when there is none or it is refused."""
     spec = config["checkpoint"]
     base = spec.pop("base", None)
-    if spec["source"] != "synthetic":
+    if "train" in spec and spec["source"] != "trained":
+        problems.append(("checkpoint.train", f"only for source trained, not {spec['source']}"))
+    if spec["source"] not in checkpoints.WRITTEN:
         if base is not None or spec["config"]:
             problems.append(("checkpoint.base" if base is not None else "checkpoint.config",
-                             f"only for source synthetic: a {spec['source']} checkpoint brings its own config.json"))
+                             f"only for source synthetic or trained: a {spec['source']} checkpoint brings its own "
+                             "config.json"))
         return None
     if base is not None:
         if base not in models():
@@ -190,6 +196,10 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out += [(f"cases.{i}.max_new_tokens", f"{c['max_new_tokens']} new tokens do not fit the model's context of "
                  f"{context} (max_position_embeddings) beside a prompt")
                 for i, c in enumerate(config["cases"]) if c["max_new_tokens"] >= context]
+    train = config["checkpoint"].get("train")
+    if train and context is not None and train["seq_len"] > context:
+        out.append(("checkpoint.train.seq_len", f"{train['seq_len']} tokens a row exceed the model's context of "
+                                                f"{context} (max_position_embeddings)"))
     if tok is not None and context is not None and not out:
         from workflow.checkpoints import prompt_problems
 

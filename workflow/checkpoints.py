@@ -27,6 +27,10 @@ MAX_SHARD_BYTES = 4 << 30
 HASH_CACHE = Path(".evident/sha256")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROGRESS_SECONDS = 5.0
+# Sources whose model is the campaign's checkpoint.config, written here (the others bring their config.json);
+# of them only `synthetic` has random weights.
+WRITTEN = ("synthetic", "trained")
+RANDOM = "synthetic"
 
 
 def __getattr__(name: str):
@@ -63,20 +67,26 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
         raise CheckpointInvalid(f"checkpoint.config is not a valid DeepseekV2Config: {e}") from e
     with torch.device("meta"):
         model = DeepseekV2ForCausalLM(cfg)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, t in model.state_dict().items():
+    return {name: tuple(t.shape) for name, t in per_expert(model.state_dict(), cfg.tie_word_embeddings).items()}
+
+
+def per_expert(state: dict, tied: bool) -> dict:
+    """transformers' state dict with its packed expert tensors (gate_up_proj [n, 2I, H], gate first; down_proj
+    [n, H, I]) cut into the per-expert tensors of the original checkpoints; a tied lm_head is left out."""
+    out = {}
+    for name, t in state.items():
         if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, (n, two_i, h) = name[: -len("gate_up_proj")], t.shape
-            for e in range(n):
-                shapes[f"{prefix}{e}.gate_proj.weight"] = (two_i // 2, h)
-                shapes[f"{prefix}{e}.up_proj.weight"] = (two_i // 2, h)
+            prefix, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, half:]
         elif name.endswith("mlp.experts.down_proj"):
-            prefix, (n, h, i) = name[: -len("down_proj")], t.shape
-            for e in range(n):
-                shapes[f"{prefix}{e}.down_proj.weight"] = (h, i)
-        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            shapes[name] = tuple(t.shape)
-    return shapes
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        elif not (tied and name == "lm_head.weight"):
+            out[name] = t
+    return out
 
 
 def _init(name: str, shape: tuple[int, ...], std: float, gen):
@@ -141,6 +151,15 @@ def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
     return tok, specials[bos_id], specials[eos_id]
 
 
+def full_config(hf_config: dict, dtype: str) -> dict:
+    """config.json of a checkpoint this module writes: the campaign's fields, the architecture and the dtype."""
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
+    cfg.setdefault("bos_token_id", 0)
+    cfg.setdefault("eos_token_id", 1)
+    cfg["torch_dtype"] = dtype
+    return cfg
+
+
 def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str,
                     init_device: str = "cpu", progress: Callable[[str], None] | None = None) -> Path:
     """Seeded init. `init_device: cuda` draws on the GPU (seconds instead of minutes for 15.7B
@@ -154,10 +173,7 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
-    cfg.setdefault("bos_token_id", 0)
-    cfg.setdefault("eos_token_id", 1)
-    cfg["torch_dtype"] = dtype
+    cfg = full_config(hf_config, dtype)
     shapes = sorted(parameter_shapes(cfg).items())
     gen = torch.Generator(device=init_device).manual_seed(seed)
     _save_sharded(out, shapes, DTYPE_BYTES[dtype],
@@ -165,6 +181,19 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
                   progress or (lambda line: None))
     write_json(out / "evident_synthetic.json", {"seed": seed, "init_std": init_std, "dtype": dtype,
                                                 "init_device": init_device, "torch": torch.__version__})
+    write_model_files(out, cfg)
+    return out
+
+
+def write_weights(out_dir: str | Path, tensors: dict, dtype: str, progress: Callable[[str], None] | None = None) -> None:
+    """Named tensors (per-expert names) as the synthetic writer lays them out: name order, same shards."""
+    dt = torch_dtype(dtype)
+    _save_sharded(Path(out_dir), sorted((n, tuple(t.shape)) for n, t in tensors.items()), DTYPE_BYTES[dtype],
+                  lambda name, shape: tensors[name].detach().to("cpu", dt).contiguous(), progress or (lambda line: None))
+
+
+def write_model_files(out: Path, cfg: dict) -> None:
+    """config.json, generation_config.json and the byte-level tokenizer, beside the weights."""
     write_json(out / "config.json", dict(sorted(cfg.items())))
     write_json(out / "generation_config.json", {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False})
     tok, bos, eos = build_tokenizer(cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
@@ -174,7 +203,6 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
         "add_bos_token": True, "model_max_length": cfg.get("max_position_embeddings", 2048),
         "clean_up_tokenization_spaces": False,
     })
-    return out
 
 
 def shard_plan(sizes: list[tuple[str, int]]) -> list[list[str]]:

@@ -9,6 +9,8 @@ campaign's dtype (float32 4, bfloat16 and float16 2), shard = checkpoints.MAX_SH
     write        = 2 * min(P * s, shard)      the synthetic writer holds one shard and its serialised copy
     peak memory  = max(P * 4, write)          the oracle and parity stages hold a float32 copy of the model
                                               (a bf16 or fp16 campaign frees its own copy first)
+    train        = P * 16                     a trained checkpoint: float32 weights, gradients and AdamW's two
+                                              moments, on the campaign's device (activations on top)
 
 On device cpu the peak is host memory. On cuda it is GPU memory (parity's float32 run holds the whole model on one
 device), and host memory holds the write only. Weights only: activations, the KV cache and the runtime (~1 GB) come
@@ -39,6 +41,7 @@ from workflow.evidence import config_hash
 ALLOW = "EVIDENT_ALLOW_LARGE"
 CACHE = Path(".evident/checkpoints")
 LIMIT, SHOTS, MAX_TOKENS = 64, 5, 256  # the harness's GSM8K-64 contract, the defaults where they fit
+TRAIN_BYTES = 16
 MAX_VOCAB = 1 << 20  # above it the synthetic tokenizer is not built before work (its merges grow with the vocabulary)
 
 
@@ -86,18 +89,21 @@ class Need:
     disk: int
     write: int
     peak: int
+    train: int = 0
 
     def line(self) -> str:
         return (f"{count(self.params)} parameters; weights {gb(self.weights)} ({self.dtype}); checkpoint "
                 f"{gb(self.disk)} on disk; peak memory {gb(self.peak)} (" +
-                ("the float32 copy of the oracle and parity stages" if self.peak == self.params * 4 else
+                ("training: float32 weights, gradients and AdamW's moments" if self.peak == self.train else
+                 "the float32 copy of the oracle and parity stages" if self.peak == self.params * 4 else
                  "the synthetic writer's shard and its serialised copy") + ")")
 
 
-def need(params: int, dtype: str) -> Need:
+def need(params: int, dtype: str, trained: bool = False) -> Need:
     weights = params * checkpoints.DTYPE_BYTES[dtype]
     write = 2 * min(weights, checkpoints.MAX_SHARD_BYTES)
-    return Need(params, dtype, weights, weights, write, max(params * 4, write))
+    train = TRAIN_BYTES * params if trained else 0
+    return Need(params, dtype, weights, weights, write, max(params * 4, write, train), train)
 
 
 def count(n: int) -> str:
@@ -134,7 +140,7 @@ def free_disk(path: Path) -> int:
 
 
 def cache_dir(config: dict) -> Path:
-    """The checkpoint cache directory of a synthetic or hub campaign (common.smk's checkpoint_dir uses it)."""
+    """The checkpoint cache directory of a synthetic, trained or hub campaign (common.smk's checkpoint_dir uses it)."""
     spec = config["checkpoint"]
     key = config_hash({"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]})[:12]
     return CACHE / f"{spec['source']}-{key}"
@@ -142,8 +148,8 @@ def cache_dir(config: dict) -> Path:
 
 def campaign_need(config: dict, model: dict | None) -> Need | None:
     spec = config["checkpoint"]
-    if spec["source"] == "synthetic" and model is not None:
-        return need(parameters(model), config["dtype"])
+    if spec["source"] in checkpoints.WRITTEN and model is not None:
+        return need(parameters(model), config["dtype"], trained=spec["source"] == "trained")
     if spec["source"] == "local":
         params = local_parameters(spec["path"])
         if params:
@@ -164,14 +170,17 @@ def size_problems(config: dict, model: dict | None) -> list[tuple[str, str]]:
     over = []
     if device == "cuda":
         gpu = None if os.environ.get("EVIDENT_SKIP_DEVICE_CHECK") else gpu_memory()
-        if gpu is not None and n.params * 4 > gpu:
+        if gpu is not None and n.train > gpu:
+            over.append(f"training ({gb(n.train)}: float32 weights, gradients and AdamW's moments) exceeds GPU memory "
+                        f"({gb(gpu)})")
+        elif gpu is not None and n.params * 4 > gpu:
             over.append(f"the float32 copy ({gb(n.params * 4)}) exceeds GPU memory ({gb(gpu)})")
         host_need, what = n.write, "the synthetic write"
     else:
         host_need, what = n.peak, "peak memory"
     if host_need > (host := host_memory()):
         over.append(f"{what} ({gb(host_need)}) exceeds host memory ({gb(host)})")
-    if n.disk and config["checkpoint"]["source"] == "synthetic" and not cache_dir(config).is_dir():
+    if n.disk and config["checkpoint"]["source"] in checkpoints.WRITTEN and not cache_dir(config).is_dir():
         if n.disk > (free := free_disk(CACHE)):
             over.append(f"the checkpoint ({gb(n.disk)}) exceeds the free disk under {CACHE}/ ({gb(free)})")
     if not over:
@@ -183,9 +192,10 @@ def size_problems(config: dict, model: dict | None) -> list[tuple[str, str]]:
 # --- tokens ---------------------------------------------------------------------------------------
 
 def model_files(config: dict, model: dict | None):
-    """(context, tokenizer) known before any work: synthetic from its config, local from its files; else None."""
+    """(context, tokenizer) known before any work: synthetic and trained from their config, local from its files;
+    else None."""
     spec = config["checkpoint"]
-    if spec["source"] == "synthetic" and model is not None:
+    if spec["source"] in checkpoints.WRITTEN and model is not None:
         tok = None
         if model["vocab_size"] <= MAX_VOCAB:
             tok, _, _ = checkpoints.build_tokenizer(model["vocab_size"], model.get("bos_token_id", 0),

@@ -1,4 +1,4 @@
-"""GSM8K-64: data (embedded, local with pinned sha256, or the hub), the prompt contract, answer extraction
+"""GSM8K-64: data (embedded, generated, local with pinned sha256, or the hub), the prompt contract, answer extraction
 and normalisation, scoring and the quality gate. Pure functions over plain data; the stage runs targets.
 
 Conventions of public harnesses: first `limit` test rows, `shots` examples from the start of train,
@@ -45,6 +45,10 @@ EMBEDDED = {
 EMBEDDED_SHA256 = {"test": "6d93d0ba13cab5c6c8ccfb0ecd555644d50df9386e5184e933f5fb6ab65c2401",
                    "train": "d4138ca26f12caf8d8f4fc13463d4fa3df596f87b838d7d2b590822826b64c13"}
 
+# source generated: held-out problems of workflow/arithmetic.py's test split (never a training question of a
+# trained checkpoint: the split is a property of the text), the shots from its train split
+GENERATED_ROWS = {"test": 64, "train": 8}
+
 STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 NUMBER = re.compile(r"-?\$?[0-9][0-9,]*(?:\.[0-9]+)?")
 
@@ -83,6 +87,14 @@ def load_split(cfg: dict, split: str, path: str | Path | None = None) -> tuple[l
     if source == "embedded":
         data, name = embedded_bytes(split), f"embedded-{split}.jsonl"
         pinned = EMBEDDED_SHA256[split]
+    elif source == "generated":
+        from workflow import arithmetic
+
+        rows = arithmetic.problems(cfg["seed"], split, GENERATED_ROWS[split])
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+        return rows, {"name": f"generated-{split}.jsonl", "source": "generated", "seed": cfg["seed"],
+                      "generator": "workflow/arithmetic.py", "sha256": sha256_bytes(data), "bytes": len(data),
+                      "rows": len(rows)}
     elif source == "local":
         raw = path or cfg.get(split)
         if not raw:
@@ -208,14 +220,17 @@ def score(items: list[dict], completions: list[str], match: str) -> tuple[list[d
 
 # --- the gate ----------------------------------------------------------------------------------
 
-VERDICTS = ("pass", "fail", "fail_flips", "refused")
+# worst last; every verdict but pass fails the run unless the campaign sets quality.advisory
+VERDICTS = ("pass", "no_claim", "fail", "fail_flips", "refused")
 
 
 def gate(reference: dict, candidate: dict, ref_rows: list[dict], cand_rows: list[dict], tolerance: int,
-         fail_on_flips: bool) -> dict:
-    """Candidate against reference: refuse unless the same data and contract; pass when correct >=
-    reference correct - tolerance and invalid <= reference invalid; flips (reference right, candidate
-    wrong) are listed and fail the gate when fail_on_flips."""
+         fail_on_flips: bool, random_weights: bool = False) -> dict:
+    """Candidate against reference. `refused` unless the same data and contract. `no_claim` when the reference gave
+    no valid answer (nothing to compare against), or on random weights unless every completion is identical: there
+    accuracy means nothing, and identical text is the one claim that holds. Otherwise `pass` when correct >=
+    reference correct - tolerance and invalid <= reference invalid, else `fail`; flips (reference right, candidate
+    wrong) are listed and fail the gate (`fail_flips`) when fail_on_flips."""
     out = {"reference": reference["target"], "candidate": candidate["target"], "tolerance": tolerance,
            "fail_on_flips": fail_on_flips}
     why = []
@@ -227,26 +242,46 @@ def gate(reference: dict, candidate: dict, ref_rows: list[dict], cand_rows: list
         why.append("contract differs (" + ", ".join(diff) + ")")
     if why:
         return {**out, "verdict": "refused", "reason": "refused to compare: " + "; ".join(why), "flips": [],
-                "gains": [], "same_completion": None}
-    ref_ok = {r["id"]: r for r in ref_rows}
-    flips = [{"id": r["id"], "gold": r["gold"], "reference": ref_ok[r["id"]]["extracted"], "candidate": r["extracted"]}
-             for r in cand_rows if ref_ok[r["id"]]["ok"] and not r["ok"]]
-    gains = [r["id"] for r in cand_rows if r["ok"] and not ref_ok[r["id"]]["ok"]]
-    same = sum(r["completion"] == ref_ok[r["id"]]["completion"] for r in cand_rows)
+                "gains": [], "same_completion": None, "compared": None}
+    ref_of = {r["id"]: r for r in ref_rows}
+    flips = [{"id": r["id"], "gold": r["gold"], "reference": ref_of[r["id"]]["extracted"], "candidate": r["extracted"]}
+             for r in cand_rows if ref_of[r["id"]]["ok"] and not r["ok"]]
+    gains = [r["id"] for r in cand_rows if r["ok"] and not ref_of[r["id"]]["ok"]]
+    differ = [r["id"] for r in cand_rows if r["completion"] != ref_of[r["id"]]["completion"]]
+    n, same = len(cand_rows), len(cand_rows) - len(differ)
     rc, cc = reference["correct"], candidate["correct"]
     ri, ci = reference["invalid"], candidate["invalid"]
-    reasons = []
-    if cc < rc - tolerance:
-        reasons.append(f"correct {cc} < reference {rc} - tolerance {tolerance}")
-    if ci > ri:
-        reasons.append(f"invalid {ci} > reference {ri}")
-    if reasons:
-        verdict = "fail"
-    elif flips and fail_on_flips:
-        verdict, reasons = "fail_flips", [f"{len(flips)} flip(s) (reference right, candidate wrong) and fail_on_flips is set"]
+    counts = f"correct {cc} vs {rc}, invalid {ci} vs {ri}, identical completions {same}/{n}"
+    if ri == n:
+        verdict = "no_claim"
+        reasons = [f"the reference gave no valid answer on {n} questions"
+                   + (" and neither did the candidate" if ci == n else f" (the candidate gave {n - ci})")
+                   + ": nothing comparable"]
+        compared = "nothing: the reference has no valid answer"
+    elif random_weights:
+        compared = "completions, text for text (random weights: accuracy means nothing)"
+        if differ:
+            verdict = "no_claim"
+            reasons = [f"random weights, and the completions differ on {len(differ)}/{n} questions "
+                       f"({', '.join(f'q{i}' for i in differ[:8])}{', …' if len(differ) > 8 else ''}): accuracy on "
+                       "random weights compares nothing, so no claim is made"]
+        else:
+            verdict, reasons = "pass", [f"random weights: identical completions on every question ({n}/{n})"]
     else:
-        verdict = "pass"
-        reasons = [f"correct {cc} >= {rc} - {tolerance}, invalid {ci} <= {ri}"
-                   + (f"; {len(flips)} flip(s) listed, not failing (fail_on_flips off)" if flips else "; no flips")]
-    return {**out, "verdict": verdict, "reason": "; ".join(reasons), "flips": flips, "gains": gains,
-            "same_completion": same, "rows": len(cand_rows)}
+        compared = (f"extracted answers ({reference['contract']['match']} match) against gold: correct >= reference "
+                    f"- {tolerance}, invalid <= reference" + ("; any flip fails" if fail_on_flips else ""))
+        reasons = []
+        if cc < rc - tolerance:
+            reasons.append(f"correct {cc} < reference {rc} - tolerance {tolerance}")
+        if ci > ri:
+            reasons.append(f"invalid {ci} > reference {ri}")
+        if reasons:
+            verdict = "fail"
+        elif flips and fail_on_flips:
+            verdict, reasons = "fail_flips", [f"{len(flips)} flip(s) (reference right, candidate wrong) and fail_on_flips is set"]
+        else:
+            verdict = "pass"
+            reasons = [f"correct {cc} >= {rc} - {tolerance}, invalid {ci} <= {ri}"
+                       + (f"; {len(flips)} flip(s) listed, not failing (fail_on_flips off)" if flips else "; no flips")]
+    return {**out, "verdict": verdict, "reason": "; ".join(reasons), "compared": compared, "counts": counts,
+            "flips": flips, "gains": gains, "differ": differ, "same_completion": same, "rows": n}

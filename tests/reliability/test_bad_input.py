@@ -12,6 +12,7 @@ import torch
 import yaml
 from snakemake.exceptions import WorkflowError
 
+import tinyev
 from workflow import checkpoints
 from workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
 from workflow.cli import configfiles
@@ -69,9 +70,9 @@ def test_the_default_campaign_is_valid():
     ("cases.0.prompt", "many words " * 200, "cases.0.prompt",
      "the prompt is 1802 tokens and 24 new tokens are asked: more than the model's context of 256 tokens"),
     ("bench.new_tokens", 250, "bench.prompt", "and 250 new tokens are asked: more than the model's context of 256"),
-    ("quality.gsm8k.limit", 64, "quality.gsm8k.limit", "64 rows asked, the embedded test data has 8"),
-    ("quality.gsm8k.shots", 6, "quality.gsm8k.shots", "6 shots asked, the embedded train data has 5"),
-    ("quality.gsm8k.shots", 5, "quality.gsm8k.shots", "the longest prompt (432 tokens, 5 shots) + max_tokens 24 exceed"),
+    ("quality.gsm8k.limit", 65, "quality.gsm8k.limit", "65 rows asked, the test data has 64"),
+    ("quality.gsm8k.shots", 9, "quality.gsm8k.shots", "9 shots asked, the train data has 8"),
+    ("quality.gsm8k.shots", 5, "quality.gsm8k.shots", "5 shots) + max_tokens 24 exceed"),
     ("quality.gsm8k.max_tokens", 256, "quality.gsm8k.max_tokens", "256 tokens do not fit the model's context of 256"),
     ("quality.reference", "engine2", "quality.reference", "'engine2' is not one of quality.targets ['hf', 'engine']"),
     ("parallel.ep_size", 3, "parallel.ep_size", "3 ranks do not divide the model's 8 routed experts"),
@@ -104,7 +105,7 @@ def test_cuda_without_a_gpu_stops_before_work(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cfg = TINY["checkpoint"]
+    cfg = tinyev.synthetic()
     return checkpoints.write_synthetic(tmp_path_factory.mktemp("ckpt") / "c", cfg["config"], 0, cfg["init_std"], "float32")
 
 
@@ -147,7 +148,7 @@ def test_prompt_longer_than_the_context(ckpt):
     """Before any work where the tokenizer exists then (above: a synthetic one is built from its config); a hub
     checkpoint's comes with the download, and the checkpoint record counts its prompts."""
     cfg = tiny(**{"cases.0.prompt": "many words " * 200})
-    with pytest.raises(checkpoints.CheckpointInvalid, match=r"cases.0 \(greeting\): the prompt is \d+ tokens and 24 new"
+    with pytest.raises(checkpoints.CheckpointInvalid, match=r"cases.0 \(addition\): the prompt is \d+ tokens and 24 new"
                                                            r" tokens are asked: more than the model's context of 256"):
         checkpoints.check_prompts(ckpt, cfg)
     ok = tiny()
@@ -209,7 +210,7 @@ def test_campaign_files_that_snakemake_refuses(tmp_path):
 def test_prompt_beyond_the_context_stops_before_any_work(tmp_path):
     """A synthetic checkpoint's tokenizer is built from its config before any work: no evidence directory, no
     checkpoint written. (A hub checkpoint's prompts are counted by the checkpoint record: test above.)"""
-    cfg = {"campaign": "long", "device": "cpu", "checkpoint": copy.deepcopy(TINY["checkpoint"]),
+    cfg = {"campaign": "long", "device": "cpu", "checkpoint": tinyev.synthetic(),
            "cases": [{"name": "long", "prompt": "many words " * 200, "max_new_tokens": 4}],
            "parity": {"batch_sizes": [1], "backends": ["single"]},
            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},

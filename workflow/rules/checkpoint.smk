@@ -25,7 +25,8 @@ if config["checkpoint"]["source"] != "local":
     rule fetch_checkpoint:
         output:
             directory(CKPT),
-        # synthetic weights are drawn on the campaign's device
+        # synthetic weights are drawn, trained ones trained, on the campaign's device (training: train.threads)
+        threads: config["checkpoint"].get("train", {}).get("threads", 1)
         resources:
             **job_resources(gpu=1),
         params:

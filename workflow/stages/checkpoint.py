@@ -1,7 +1,8 @@
 """Stage `checkpoint`: materialise the campaign's checkpoint directory and record its hashes.
 
 `fetch` fills the checkpoint cache (synthetic: the size estimate first, then a seeded write that reports its
-progress; hub: pinned snapshot, then its estimate); `record` verifies the directory (missing or corrupt files,
+progress; trained: the estimate, then training with a line of step and loss, workflow/training.py; hub: pinned
+snapshot, then its estimate); `record` verifies the directory (missing or corrupt files,
 expected sha256) and writes checkpoint.json.
 """
 
@@ -13,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from workflow import checkpoints, environment, estimate
-from workflow.evidence import Stage, read_config
+from workflow import checkpoints, environment, estimate, training
+from workflow.evidence import Stage, read_config, read_json
 
 
 def say(line: str) -> None:
@@ -28,6 +29,13 @@ def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
         say(f"writing synthetic checkpoint (seed {spec['seed']}, {dtype}) to {ckpt_dir}")
         checkpoints.write_synthetic(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype,
                                     init_device=environment.resolve_device(device), progress=say)
+    elif spec["source"] == "trained":
+        t = spec["train"]
+        say(f"estimate: {estimate.need(estimate.parameters(spec['config']), dtype, trained=True).line()}")
+        say(f"training (seed {spec['seed']}, {t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens, "
+            f"lr {t['lr']:g}) on {environment.resolve_device(device)}; writing {dtype} to {ckpt_dir}")
+        training.train(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype, t,
+                       device=environment.resolve_device(device), progress=say)
     elif spec["source"] == "hub":
         say(f"fetching {spec['repo_id']}@{spec['revision']}")
         checkpoints.fetch_hub(ckpt_dir, spec["repo_id"], spec["revision"])
@@ -48,9 +56,11 @@ def record(ckpt_dir: Path, evidence: Path) -> None:
             "source": spec["source"],
             "revision": spec.get("revision"),
             "repo_id": spec.get("repo_id"),
-            "seed": spec.get("seed") if spec["source"] == "synthetic" else None,
+            "seed": spec.get("seed") if spec["source"] in checkpoints.WRITTEN else None,
             "files": files,
         }
+        if spec["source"] == "trained":  # what it was trained on and the loss it reached, beside the hashes
+            rec["trained"] = read_json(ckpt_dir / "evident_trained.json")
         st.write_json("checkpoint.json", rec)
         st.metrics["bytes"] = sum(f["size"] for f in files.values())
         print(f"[checkpoint] {len(files)} files, {st.metrics['bytes'] / 1e6:.1f} MB verified", flush=True)
@@ -63,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     # The spec comes as a parameter, not a file: the cache is shared by every evidence directory.
     f.add_argument("--spec-json", required=True, help="the campaign's checkpoint section as JSON")
     f.add_argument("--dtype", required=True, choices=sorted(checkpoints.DTYPES))
-    f.add_argument("--device", default="cpu", help="the campaign's device: synthetic weights are drawn there")
+    f.add_argument("--device", default="cpu",
+                   help="the campaign's device: synthetic weights are drawn there, trained ones trained")
     f.add_argument("--out", required=True, type=Path, help="checkpoint cache directory")
     r = sub.add_parser("record")
     r.add_argument("--checkpoint", required=True, type=Path)

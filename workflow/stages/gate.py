@@ -3,7 +3,7 @@ an accuracy gap, a precision regression, a transport regression, rows of a batch
 under `parity.require_exact`, or when
 the overlap A/B screen (overlap/screen.json, if sealed in the directory) found outputs of A and B that differ,
 or the kernel resource audit (kernels/audit.json) found a kernel that spills registers, or the GSM8K quality gate
-(quality/gsm8k64-gate.json) did not pass."""
+(quality/gsm8k64-gate.json) did not pass (`no_claim` included) and the campaign did not mark it advisory."""
 
 from __future__ import annotations
 
@@ -42,14 +42,17 @@ def main(argv: list[str] | None = None) -> None:
     if audit == "spills":
         sys.exit(f"[gate] the kernel resource audit found register spills (see {AUDIT}); "
                  f"the evidence is sealed in {args.evidence}")
-    if quality is not None and quality["verdict"] != "pass":
+    if quality is not None and quality["verdict"] != "pass" and not quality.get("advisory"):
         sys.exit(f"[gate] the GSM8K quality gate says {quality['verdict']}: {quality['reason']} (see {QUALITY}); "
                  f"the evidence is sealed in {args.evidence}")
+    advisory = bool(quality and quality.get("advisory"))
     quality = quality["verdict"] if quality else None
     write_json(args.out, {"evidence": str(args.evidence), "verdict": verdict, "overlap": overlap, "audit": audit,
-                          "quality": quality})
+                          "quality": quality, "quality_advisory": advisory})
     print(f"[gate] {args.evidence}: {verdict}" + (f", overlap {overlap}" if overlap else "")
-          + (f", kernel audit {audit}" if audit else "") + (f", quality {quality}" if quality else ""), flush=True)
+          + (f", kernel audit {audit}" if audit else "")
+          + (f", quality {quality}" + (" (advisory: not failing the run)" if advisory and quality != "pass" else "")
+             if quality else ""), flush=True)
 
 
 if __name__ == "__main__":

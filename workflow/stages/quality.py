@@ -6,7 +6,8 @@ free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/qu
 `{name, url}` (any OpenAI-compatible `/v1/completions` endpoint). Same data, same contract for all
 (workflow/gsm8k.py). Outputs: quality/gsm8k64-<target>.json, quality/gsm8k64-<target>-rows.jsonl and
 quality/gsm8k64-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
-anything but `pass`, after sealing).
+anything but `pass`, after sealing, unless `quality.advisory`). On random weights (checkpoint.source synthetic) the
+only claim is identical completions: anything else is `no_claim` (workflow/gsm8k.py gate).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from workflow.evidence import Stage, read_config, read_json, write_text
 
 READY_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
-NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy is near zero, so this gate checks that the "
-               "candidate answers as the reference does (a parity gate on extracted answers), not model quality")
+NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
+               "on identical completions and otherwise makes no claim; it says nothing about model quality")
 
 
 def target_name(t) -> str:
@@ -168,8 +169,8 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
     if q["reference"] not in names:
         raise ValueError(f"quality.reference {q['reference']!r} is not one of quality.targets {names}")
     params = {"targets": names, "reference": q["reference"], "tolerance": q["tolerance"],
-              "fail_on_flips": q["fail_on_flips"], "source": cfg["source"], "limit": cfg["limit"], "shots": cfg["shots"],
-              "max_tokens": cfg["max_tokens"], "match": cfg["match"], "device": device, "dtype": config["dtype"]}
+              "fail_on_flips": q["fail_on_flips"], "advisory": q["advisory"], "source": cfg["source"],
+              "limit": cfg["limit"], "shots": cfg["shots"], "max_tokens": cfg["max_tokens"], "match": cfg["match"], "device": device, "dtype": config["dtype"]}
     with Stage(evidence, "quality", params=params) as st:
         checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
         test, test_m = gsm8k.load_split(cfg, "test", test_path)
@@ -222,18 +223,20 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             log(f"{name}: {res['correct']}/{res['n']} correct ({cfg['match']}), {res['invalid']} invalid, "
                 f"{res['seconds']:.1f}s")
         ref = q["reference"]
-        gates = [gsm8k.gate(results[ref], results[n], rows_of[ref], rows_of[n], q["tolerance"], q["fail_on_flips"])
+        random = config["checkpoint"]["source"] == checkpoints.RANDOM
+        gates = [gsm8k.gate(results[ref], results[n], rows_of[ref], rows_of[n], q["tolerance"], q["fail_on_flips"],
+                            random)
                  for n in names if n != ref]
         order = {v: i for i, v in enumerate(gsm8k.VERDICTS)}
-        verdict = max((g["verdict"] for g in gates), key=order.get) if gates else "pass"
-        random = read_config(evidence / "config.yaml")["checkpoint"]["source"] == "synthetic"
-        doc = {"verdict": verdict, "reference": ref, "gates": gates, "random_weights": random,
-               "note": NOTE_RANDOM if random else None,
-               "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates) or "no candidate: nothing to gate"}
+        verdict = max((g["verdict"] for g in gates), key=order.get) if gates else "no_claim"
+        doc = {"verdict": verdict, "advisory": q["advisory"], "reference": ref, "gates": gates,
+               "random_weights": random, "note": NOTE_RANDOM if random else None,
+               "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates)
+                         or "no candidate beside the reference: nothing compared"}
         st.write_json("quality/gsm8k64-gate.json", doc)
         st.tags["quality.verdict"] = verdict
         st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
-        log(f"gate {verdict}: {doc['reason']}")
+        log(f"gate {verdict}{' (advisory)' if q['advisory'] else ''}: {doc['reason']}")
     return doc
 
 

@@ -1,0 +1,62 @@
+"""The quality gate against engine mutants on a campaign's own checkpoint and contract: each mutant of
+tests/mutants.py served from a scratch copy of the engine (mutants.serve) as an endpoint target, gated against
+transformers by the quality stage, in a copy of the campaign's evidence (config.yaml and checkpoint.json).
+
+    python3 tools/device_quality.py EVIDENCE_DIR CHECKPOINT_DIR --mutants norm_eps_x100,yarn_hard_ramp
+
+Prints one line a candidate: verdict, counts, flips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import mutants  # noqa: E402
+from workflow import environment  # noqa: E402
+from workflow.evidence import write_text  # noqa: E402
+from workflow.stages import quality  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("evidence", type=Path)
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--mutants", required=True, help="comma-separated names of tests/mutants.py")
+    args = ap.parse_args()
+    names = args.mutants.split(",")
+    cfg = yaml.safe_load((args.evidence / "config.yaml").read_text())
+    device = environment.resolve_device(cfg["device"])
+    cfg["quality"]["targets"] = ["hf"] + [{"name": mutants.endpoint_name(m), "url": "<url>"} for m in names]
+    with tempfile.TemporaryDirectory() as tmp:
+        ev = Path(tmp) / "ev"
+        ev.mkdir()
+        write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
+        shutil.copy(args.evidence / "checkpoint.json", ev / "checkpoint.json")
+        servers, urls = [], {}
+        try:
+            for m in names:
+                proc, urls[mutants.endpoint_name(m)] = mutants.serve(Path(tmp) / m, m, args.checkpoint, cfg["dtype"],
+                                                                     device)
+                servers.append(proc)
+            doc = quality.run(args.checkpoint, ev, endpoints=urls)
+        finally:
+            for proc in servers:
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(f"\ncandidate | {cfg['dtype']} verdict | counts | flips")
+    for g in doc["gates"]:
+        print(f"{g['candidate']} | {g['verdict']} | {g['counts']} | {len(g['flips'])}: "
+              + ", ".join(f"q{f['id']} {f['reference']}->{f['candidate']}" for f in g["flips"]))
+
+
+if __name__ == "__main__":
+    main()
