@@ -251,8 +251,6 @@ class Stage:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.primary:
             return False
-        if exc is None:
-            pause_for_test(self.name)
         record = {
             "name": self.name,
             "status": "failed" if exc is not None else ("skipped" if self.skipped else "ok"),
@@ -270,18 +268,6 @@ class Stage:
             record["error"] = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         write_json(self.dir / STAGES_DIR / f"{self.name}.json", record)
         return False
-
-
-SLOW_HOOK = "EVIDENT_TEST_SLOW_STAGE"
-
-
-def pause_for_test(name: str) -> None:
-    """Test hook: `EVIDENT_TEST_SLOW_STAGE=<stage>:<seconds>` sleeps once the stage's files are written
-    and before its record is, so a test can kill a stage at its most exposed point."""
-    stage, _, seconds = os.environ.get(SLOW_HOOK, "").partition(":")
-    if stage == name and seconds:
-        print(f"[{name}] {SLOW_HOOK}: pausing {seconds}s", flush=True)
-        time.sleep(float(seconds))
 
 
 def stage_records(evidence_dir: str | Path) -> list[dict]:

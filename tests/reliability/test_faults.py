@@ -21,7 +21,7 @@ import yaml
 import handbuilt
 import tinyev
 from workflow import archive
-from workflow.evidence import MANIFEST, SLOW_HOOK, read_json
+from workflow.evidence import MANIFEST, read_json
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -44,9 +44,16 @@ TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "stages/", "logs/", "bench/", "pl
                 "plots/profile.png")
 
 
+SLOW_HOOK = "EVIDENT_TEST_SLOW_STAGE"
+# tests/slowhook/sitecustomize.py makes the stage named in SLOW_HOOK pause where a kill hurts most
+SLOWHOOK_PATH = str(Path(__file__).resolve().parents[1] / "slowhook")
+
+
 def smk(wd: Path, *args: str, env: dict | None = None, popen: bool = False):
     e = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", SLOW_HOOK)}
     e.update(env or {})
+    if SLOW_HOOK in e:
+        e["PYTHONPATH"] = os.pathsep.join(filter(None, [SLOWHOOK_PATH, os.environ.get("PYTHONPATH")]))
     (wd / "campaign.yaml").write_text(yaml.safe_dump(CAMPAIGN))
     cmd = [str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(wd), "-j4", "--configfile",
            str(wd / "campaign.yaml"), *args]

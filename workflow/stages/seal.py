@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from workflow import privacy, tracking
-from workflow.evidence import (config_hash, read_config, stage_records, pause_for_test, verdict_of, write_manifest,
+from workflow.evidence import (config_hash, read_config, stage_records, verdict_of, write_manifest,
                                write_text)
 from workflow.summary import render
 
@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> None:
             track = {"status": "pending", "reason": _reason(e)}
             print(f"[seal] MLflow unreachable, tracking pending: {type(e).__name__}: {e}", flush=True)
 
-    pause_for_test("seal")  # test hook: tracking logged, the manifest not yet written
     write_manifest(root, {
         "evidence_id": root.name,
         "campaign": config["campaign"],
