@@ -5,7 +5,7 @@ model the float32 log-probs move by 0.02-0.5 nats at most, 0.003-0.04 on average
 rows after the first of a batch; the precision mutant changes only the dtype of a reduction, so in float32 it is
 no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
 `applied(model, name)` swaps the mutated classes into an engine already loaded (tools/device_parity.py: one
-load of a 15.7B-parameter model serves every mutant). `serve(root, name, ...)` starts the mutated engine's
+load of a 15.7B-parameter model serves every mutant). `serve(root, name, ...)` runs the mutated engine's
 OpenAI-compatible server, an endpoint target for the quality gate (tests/test_quality_mutants.py).
 """
 
@@ -14,12 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 import types
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,31 +73,18 @@ def endpoint_name(name: str) -> str:
     return name.replace("_", "-").replace(".", "-")
 
 
-def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu",
-          ready_s: float = 300) -> tuple[subprocess.Popen, str]:
-    """`python -m engine.serve` of a scratch copy of the engine with mutant `name`, run from that copy (so that
-    it comes first on the path) on a free port of 127.0.0.1: (process, base URL ending in /v1). Its log is
-    root/serve.log."""
+@contextlib.contextmanager
+def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
+    """The quality stage's engine server (quality.engine_server) of a scratch copy of the engine with mutant
+    `name`, an endpoint target for the quality gate: yields its base URL ending in /v1; always stopped. Its log
+    is root/logs/serve.log."""
+    from workflow.stages import quality
+
     src = scratch(root, name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = [str(src), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    log = root / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt.resolve()), "--dtype", dtype,
-                             "--device", device, "--port", str(port)], cwd=src, env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
-    url, t0 = f"http://127.0.0.1:{port}/v1", time.time()
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/models", timeout=2).read()
-            return proc, url
-        except OSError:
-            if proc.poll() is not None or time.time() - t0 > ready_s:
-                proc.kill()
-                raise RuntimeError(f"mutant {name}'s server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.3)
+    with quality.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ completions; a mutant that flips answers must fail with its flips listed. `pytes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -69,16 +70,10 @@ def gates(trained, tmp_path_factory) -> dict:
         ev.mkdir()
         write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
         record_stage.record(ckpt, ev)
-        servers, urls = [], {}
-        try:
-            for m in names:
-                proc, urls[mutants.endpoint_name(m)] = mutants.serve(root / f"{dtype}-{m}", m, ckpt, dtype)
-                servers.append(proc)
+        with contextlib.ExitStack() as servers:
+            urls = {mutants.endpoint_name(m): servers.enter_context(mutants.serve(root / f"{dtype}-{m}", m, ckpt, dtype))
+                    for m in names}
             doc = quality.run(ckpt, ev, endpoints=urls)
-        finally:
-            for proc in servers:
-                proc.terminate()
-                proc.wait(timeout=30)
         out[dtype] = {g["candidate"]: g for g in doc["gates"]}
         out[dtype]["hf"] = read_json(ev / "quality/gsm8k64-hf.json")
     print("\ncandidate | dtype | verdict | correct (hf) | identical completions | flips")

@@ -13,9 +13,10 @@ import torch
 import yaml
 
 from workflow import arithmetic, checkpoints, gsm8k, training
+from workflow.campaign import model_config
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = yaml.safe_load((REPO / "config/models/tiny.yaml").read_text())
+TINY = model_config("tiny")
 # a few steps of short rows: determinism and the file layout, not learning (the default campaign shows that)
 SHORT = {"steps": 4, "batch_size": 2, "seq_len": 64, "lr": 0.01, "warmup": 2, "threads": 2}
 

@@ -29,8 +29,9 @@ def defaults(schema: dict) -> dict:
 
 def synthetic() -> dict:
     """The default campaign's model as a random-weight synthetic checkpoint spec (init_std 0.08: decisive traces)."""
-    model = yaml.safe_load((REPO / "config/models/tiny.yaml").read_text())
-    return {"source": "synthetic", "seed": 0, "init_std": 0.08, "config": model}
+    from workflow.campaign import model_config
+
+    return {"source": "synthetic", "seed": 0, "init_std": 0.08, "config": model_config("tiny")}
 
 
 def config(**sections) -> dict:

@@ -42,18 +42,18 @@ def paths(tok, n: int) -> list[tuple[list[int], int]]:
 def measure(ckpt: Path, device: str, dtype: str, n: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
+    along = paths(AutoTokenizer.from_pretrained(ckpt), n)
     runs = {}
     for dt in dict.fromkeys([logprobs.REFERENCE_DTYPE, dtype]):
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=checkpoints.DTYPES[dt]).to(device).eval()
-        runs[dt] = [model(torch.tensor([ids], device=device)).logits[0, :-1].float().cpu() for ids, _ in paths(tok, n)]
+        runs[dt] = [model(torch.tensor([ids], device=device)).logits[0, :-1].float().cpu() for ids, _ in along]
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
     out = {}
     for part in ("all", "answer"):
         margins, errs = [], []
-        for (ids, start), ref, low in zip(paths(tok, n), runs[logprobs.REFERENCE_DTYPE], runs[dtype]):
+        for (_, start), ref, low in zip(along, runs[logprobs.REFERENCE_DTYPE], runs[dtype]):
             keep = slice(0, None) if part == "all" else slice(start, None)
             ref, low = ref[keep], low[keep]
             top = ref.topk(2, dim=-1).values

@@ -10,6 +10,7 @@ Prints one line a candidate: verdict, counts, flips.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -41,17 +42,10 @@ def main() -> None:
         ev.mkdir()
         write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
         shutil.copy(args.evidence / "checkpoint.json", ev / "checkpoint.json")
-        servers, urls = [], {}
-        try:
-            for m in names:
-                proc, urls[mutants.endpoint_name(m)] = mutants.serve(Path(tmp) / m, m, args.checkpoint, cfg["dtype"],
-                                                                     device)
-                servers.append(proc)
+        with contextlib.ExitStack() as servers:
+            urls = {mutants.endpoint_name(m): servers.enter_context(
+                mutants.serve(Path(tmp) / m, m, args.checkpoint, cfg["dtype"], device)) for m in names}
             doc = quality.run(args.checkpoint, ev, endpoints=urls)
-        finally:
-            for proc in servers:
-                proc.terminate()
-                proc.wait(timeout=60)
     print(f"\ncandidate | {cfg['dtype']} verdict | counts | flips")
     for g in doc["gates"]:
         print(f"{g['candidate']} | {g['verdict']} | {g['counts']} | {len(g['flips'])}: "

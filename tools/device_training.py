@@ -11,7 +11,6 @@ Prints: seconds a step, whether the files are byte-identical, how many tensors d
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ os.environ.setdefault("EVIDENT_SKIP_DEVICE_CHECK", "1")
 
 from workflow import environment, training  # noqa: E402
 from workflow.campaign import validate_campaign  # noqa: E402
+from workflow.evidence import sha256_file  # noqa: E402
 
 
 def main() -> None:
@@ -49,8 +49,7 @@ def main() -> None:
                                        train, device=device, progress=lambda line: print(f"[{run}] {line}", flush=True)))
             seconds.append(time.perf_counter() - t0)
         files = sorted(p.name for p in dirs[0].iterdir())
-        same = {f: hashlib.sha256((dirs[0] / f).read_bytes()).digest() == hashlib.sha256((dirs[1] / f).read_bytes()).digest()
-                for f in files}
+        same = {f: sha256_file(dirs[0] / f) == sha256_file(dirs[1] / f) for f in files}
         a, b = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()} for d in dirs)
         differ, worst, rel = 0, 0.0, 0.0
         for k in a:

@@ -59,8 +59,3 @@ def problems(seed: int, split: str, n: int, distinct: bool = True) -> list[dict]
         seen.add(p["question"])
         out.append(p)
     return out
-
-
-def pair(p: dict) -> str:
-    """One problem as a GSM8K shot: the text a trained model sees and the prompt contract's shot format."""
-    return f"Question: {p['question']}\nAnswer: {p['answer']}\n\n"

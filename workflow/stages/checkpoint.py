@@ -24,18 +24,18 @@ def say(line: str) -> None:
 
 def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
     t0 = time.perf_counter()
+    device = environment.resolve_device(device)
     if spec["source"] == "synthetic":
         say(f"estimate: {estimate.need(estimate.parameters(spec['config']), dtype).line()}")
         say(f"writing synthetic checkpoint (seed {spec['seed']}, {dtype}) to {ckpt_dir}")
         checkpoints.write_synthetic(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype,
-                                    init_device=environment.resolve_device(device), progress=say)
+                                    init_device=device, progress=say)
     elif spec["source"] == "trained":
         t = spec["train"]
         say(f"estimate: {estimate.need(estimate.parameters(spec['config']), dtype, trained=True).line()}")
         say(f"training (seed {spec['seed']}, {t['steps']} steps of {t['batch_size']} x {t['seq_len']} tokens, "
-            f"lr {t['lr']:g}) on {environment.resolve_device(device)}; writing {dtype} to {ckpt_dir}")
-        training.train(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype, t,
-                       device=environment.resolve_device(device), progress=say)
+            f"lr {t['lr']:g}) on {device}; writing {dtype} to {ckpt_dir}")
+        training.train(ckpt_dir, spec["config"], spec["seed"], spec["init_std"], dtype, t, device=device, progress=say)
     elif spec["source"] == "hub":
         say(f"fetching {spec['repo_id']}@{spec['revision']}")
         checkpoints.fetch_hub(ckpt_dir, spec["repo_id"], spec["revision"])

@@ -13,6 +13,7 @@ only claim is identical completions: anything else is `no_claim` (workflow/gsm8k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ import torch
 from workflow import checkpoints, environment, gsm8k
 from workflow.evidence import Stage, read_config, read_json, write_text
 
+REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
 NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
@@ -117,33 +119,32 @@ def run_endpoint(base: str, items: list[dict], cfg: dict, log, name: str) -> lis
     return out
 
 
-def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
-    """Start `python -m engine.serve` on a free port of 127.0.0.1, wait for /v1/models, evaluate, always stop it."""
+@contextlib.contextmanager
+def engine_server(ckpt: Path, device: str, dtype: str, server_log: Path, code: Path = REPO, env: dict | None = None):
+    """`python -m engine.serve` of the engine package under `code` (run from there, so that it is the one
+    imported) on a free port of 127.0.0.1, polled on /v1/models until ready: yields (base URL, seconds to
+    ready); always stopped. Its output goes to server_log."""
     port = free_port()
     base = f"http://127.0.0.1:{port}/v1"
-    server_log = evidence / "logs/quality-engine-server.log"
     server_log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt.resolve()), "--device", device, "--dtype", dtype,
            "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine"]
+    where = f"see {server_log.relative_to(server_log.parents[1]).as_posix()}"
     with open(server_log, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=code, env=env)
         try:
             t0 = time.perf_counter()
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the engine server exited with {proc.returncode} before it was ready "
-                                       f"(see logs/quality-engine-server.log)")
+                    raise RuntimeError(f"the engine server exited with {proc.returncode} before it was ready ({where})")
                 try:
                     _get(f"{base}/models", 2)
                     break
                 except (urllib.error.URLError, ConnectionError, OSError):
                     if time.perf_counter() - t0 > READY_TIMEOUT_S:
-                        raise RuntimeError(f"the engine server was not ready within {READY_TIMEOUT_S}s "
-                                           f"(see logs/quality-engine-server.log)")
+                        raise RuntimeError(f"the engine server was not ready within {READY_TIMEOUT_S}s ({where})")
                     time.sleep(0.2)
-            ready = time.perf_counter() - t0
-            log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
-            texts = run_endpoint(base, items, cfg, log, "engine")
+            yield base, time.perf_counter() - t0
         finally:
             proc.terminate()
             try:
@@ -151,6 +152,13 @@ def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
+    """The engine behind its endpoint (engine_server), evaluated like any endpoint."""
+    with engine_server(ckpt, device, dtype, evidence / "logs/quality-engine-server.log") as (base, ready):
+        log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
+        texts = run_endpoint(base, items, cfg, log, "engine")
     return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m engine.serve, "
                                      "127.0.0.1, /v1/completions, greedy, batch 1)",
                    "server_ready_s": round(ready, 3), "versions": {"torch": torch.__version__}}
