@@ -168,6 +168,25 @@ def test_on_cuda_the_float32_copy_must_fit_the_gpu_and_the_write_the_host(monkey
             "the synthetic write (8.6 GB) exceeds host memory (5.0 GB).") in msg, msg
 
 
+def test_on_cuda_training_state_must_fit_the_gpu(monkeypatch):
+    """A trained checkpoint holds float32 weights, gradients and AdamW's two moments on the GPU: 16 B a parameter,
+    four times the float32 copy that alone would fit."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(estimate, "host_memory", lambda: 10**12)
+    monkeypatch.setattr(estimate, "free_disk", lambda path: 10**15)
+    monkeypatch.delenv("EVIDENT_SKIP_DEVICE_CHECK", raising=False)
+    cfg = {**minimal(source="trained", base="deepseek-v2-lite", config={"num_hidden_layers": 4}), "device": "cuda",
+           "dtype": "bfloat16"}
+    monkeypatch.setattr(estimate, "gpu_memory", lambda: 32 * 10**9)
+    msg = rejected(copy.deepcopy(cfg))
+    assert ("the model does not fit this machine: training (36.1 GB: float32 weights, gradients and AdamW's moments) "
+            "exceeds GPU memory (32.0 GB)") in msg and "peak memory 36.1 GB (training" in msg, msg
+    monkeypatch.setattr(estimate, "gpu_memory", lambda: 141 * 10**9)
+    valid(cfg)
+
+
 def test_the_disk_under_the_checkpoint_cache_must_hold_a_new_checkpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(estimate, "free_disk", lambda path: 2 * 10**8)
     cfg = {**minimal(base="tiny", config={"hidden_size": 1024, "vocab_size": 65536}), "device": "cpu"}
