@@ -24,12 +24,15 @@ include: "workflow/rules/common.smk"
 # A sealed directory is never recomputed: its stages are not even defined, only the gate reads it.
 if not SEALED:
 
+    include: "workflow/rules/context.smk"
     include: "workflow/rules/checkpoint.smk"
     include: "workflow/rules/oracle.smk"
     include: "workflow/rules/parity.smk"
+    include: "workflow/rules/compare.smk"
     include: "workflow/rules/bench.smk"
+    include: "workflow/rules/bench_report.smk"
     include: "workflow/rules/overlap.smk"
-    include: "workflow/rules/kernels.smk"
+    include: "workflow/rules/kernel_audit.smk"
     include: "workflow/rules/quality.smk"
     include: "workflow/rules/profile.smk"
     include: "workflow/rules/seal.smk"

@@ -31,6 +31,18 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def eos_ids(ckpt_dir: str | os.PathLike) -> list[int]:
+    """The checkpoint's end-of-sequence ids: generation_config.json's, else config.json's; [] when neither says."""
+    for name in ("generation_config.json", "config.json"):
+        p = os.path.join(ckpt_dir, name)
+        if os.path.isfile(p):
+            with open(p) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                return eos if isinstance(eos, list) else [eos]
+    return []
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable or does not match the model; the message names the file/tensor."""
 

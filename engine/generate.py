@@ -13,12 +13,14 @@ of the greedy pick, so the engine's logits can be compared with a reference alon
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .model import LatentCache, Transformer
+from .parallel import BACKENDS, init_from_env
 
 MAX_BATCH = 8
 
@@ -106,7 +108,8 @@ def forced(model: Transformer, prompts: list[list[int]], continuations: list[lis
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
              eos_token_id: int | list[int] | None = None,
              progress: Callable[[int, int], None] | None = None,
-             stop: Callable[[int, list[int]], bool] | None = None) -> Generation:
+             stop: Callable[[int, list[int]], bool] | None = None,
+             around: Callable[[int, int], contextlib.AbstractContextManager] | None = None) -> Generation:
     """Greedy-decode up to ``max_new_tokens`` for each prompt (1..8 prompts, any lengths).
 
     A row stops after emitting an EOS id (kept in its output) or at max_new_tokens.
@@ -114,6 +117,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     with step = tokens generated so far by the longest row and total = max_new_tokens.
     ``stop(row, tokens)`` is called after each token a row emits (tokens: its generated ids so far); when it
     returns true the row stops there (a server's stop strings, streaming).
+    ``around(step, total)`` returns a context manager entered around the work of each step (step 1: the prefill of
+    every row; then one per batched decode step), numbered as ``progress`` numbers them: a profiler range or a timer
+    wraps exactly one step.
     """
     _check_batch(prompts)
     if max_new_tokens < 0:
@@ -126,6 +132,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
         return out
 
     done = [False] * B
+    around = around or (lambda step, total: contextlib.nullcontext())
 
     def emit(rows: list[int], logits: torch.Tensor) -> None:
         ids, margins = _pick(logits, model.argmax_kernel)
@@ -138,16 +145,18 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 
     with torch.inference_mode():
         cache = _cache(model, B, max(len(p) for p in prompts) + max_new_tokens)
-        for r, p in enumerate(prompts):  # prefill, one row at a time
-            emit([r], _prefill(model, cache, r, p)[:, -1])
+        with around(1, max_new_tokens):
+            for r, p in enumerate(prompts):  # prefill, one row at a time
+                emit([r], _prefill(model, cache, r, p)[:, -1])
         if progress is not None:
             progress(1, max_new_tokens)
         for step in range(2, max_new_tokens + 1):
             active = [r for r in range(B) if not done[r]]
             if not active:
                 break
-            # a finished row's last token still feeds the graph step; its results are not read
-            emit(active, _decode(model, cache, [t[-1] for t in out.tokens], active))
+            with around(step, max_new_tokens):
+                # a finished row's last token still feeds the graph step; its results are not read
+                emit(active, _decode(model, cache, [t[-1] for t in out.tokens], active))
             if progress is not None:
                 progress(step, max_new_tokens)
     return out
@@ -164,14 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eos-token-id", type=int, action="append", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--backend", default="single", choices=["single", "host-staged", "collective"],
+    ap.add_argument("--backend", default="single", choices=("single", *BACKENDS),
                     help="single device, or expert parallel (launch with torchrun --nproc_per_node N; rank 0 prints)")
     a = ap.parse_args(argv)
     prompts = [[int(x) for x in p.split(",") if x.strip()] for p in a.prompt_ids]
     ep = None
     if a.backend != "single":
-        from .parallel import init_from_env
-
         try:
             ep = init_from_env(a.backend, a.device)
         except RuntimeError as e:

@@ -121,17 +121,12 @@ class GraphDecode:
             return self._step(cache, tokens)
         state = self.caches[(cache.kv.shape[1], cache.max_len)][1]
         if "graph" not in state:
+            from kernels.graphs import capture
+
             state["tokens"] = tokens.clone()
-            lengths = cache.lengths.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._step(cache, state["tokens"])  # compile and warm up outside the capture; undone below
-            torch.cuda.current_stream().wait_stream(side)
-            cache.lengths.copy_(lengths)
-            state["graph"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(state["graph"]):
-                state["logits"] = self._step(cache, state["tokens"])
+            lengths = cache.lengths.clone()  # the warm-up step advances every row: put back before the capture
+            state["graph"], state["logits"] = capture(lambda: self._step(cache, state["tokens"]),
+                                                      undo=lambda: cache.lengths.copy_(lengths))
         state["tokens"].copy_(tokens)
         state["graph"].replay()
         return state["logits"]

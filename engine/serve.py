@@ -213,19 +213,13 @@ def create_app(engine: Engine) -> FastAPI:
 
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None) -> Engine:
-    from .checkpoint import load_model
+    from .checkpoint import eos_ids, load_model
 
     if backend != "single":
         raise SystemExit("engine.serve: only the single-device backend is served (batch of 1)")
     model = load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype))
     tok = Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
-    eos = []
-    for name in ("generation_config.json", "config.json"):
-        p = os.path.join(ckpt_dir, name)
-        if os.path.isfile(p) and (e := json.load(open(p)).get("eos_token_id")) is not None:
-            eos = e if isinstance(e, list) else [e]
-            break
-    return Engine(model, tok, eos, model_id or os.path.basename(os.path.normpath(ckpt_dir)))
+    return Engine(model, tok, eos_ids(ckpt_dir), model_id or os.path.basename(os.path.normpath(ckpt_dir)))
 
 
 def main(argv: list[str] | None = None) -> None:

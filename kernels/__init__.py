@@ -10,6 +10,8 @@ norm.py    rms_norm, add_rms_norm, moe_add_rms_norm: the residual add (or the Mo
 pdl.py     programmatic dependent launch: the launch flags and the wait every kernel of the decode step calls
 audit.py   registers, spills and shared memory of each compiled kernel
 bench.py   gemv_fused (or --skinny: skinny_linear) against F.linear on a GPU
+graphs.py  capture: warm up on a side stream, capture one CUDA graph (benchmarks, overlap screen, graph decode)
+overlap.py the overlap A/B experiment: split GEMVs on the main stream vs the fused GEMV on a side stream
 
 The registry is kernels/KERNELS.md. Nothing here imports the rest of the project.
 """

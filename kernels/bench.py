@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from . import gemv, pdl, skinny
+from .graphs import capture
 
 K, SIZES = 4096, [2048, 512, 64]
 OUT_DTYPES = [torch.float32, torch.float32, torch.float16]
@@ -44,20 +45,6 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
-
-
-def capture(fn, calls: int = 1):
-    """A CUDA graph of `calls` calls of fn, warmed up on a side stream first; (graph, the last call's output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            out = fn()
-    return g, out
 
 
 def graph_us(fn, calls: int = 20) -> float:

@@ -1,44 +1,15 @@
 """Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: four launches a layer, for CUDA graphs.
 
-B rows, H heads, each query head q [nope + Dr] (its last Dr values the rope part), a latent cache of R
-values (normalised c_kv) and Dr values (roped k_pe) per position, kv_b_proj's weight viewed as
-w_kv [H, nope + v, R] (W_UK = w_kv[:, :nope], W_UV = w_kv[:, nope:]).
-
-- ``mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)``: row b's
-  c_kv = kv_a[b, :R] goes through RMSNorm into cache_kv[layer, b, pos[b]], its k_pe = kv_a[b, R:] through
-  rope into cache_pe[layer, b, pos[b]], and q's rope part is rotated in place. RMSNorm as the engine's: fp32
-  mean of squares and rsqrt, the normalised value rounded to the model dtype, times the weight, rounded again.
-  Rope as the engine's ``apply_rope`` with freqs = polar(1, pos * inv_freq) * scaling: adjacent pairs
-  (x[2i], x[2i+1]) multiplied, in fp32, by the complex (cos, sin)(pos * inv_freq[i]) * scaling, rounded once.
-  Triton lowers tl.cos and tl.sin to libdevice's precise __nv_cosf and __nv_sinf (as torch's), not to the
-  approximate instructions: angles reach thousands of radians.
-- ``mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)`` -> out [B, H*v], for each (b, h) over the
-  positions 0..pos[b] of cache row b:  q_lat = q_nope @ W_UK[h];  s[l] = (q_lat . kv[l] + q_pe . pe[l]) * scale;
-  p = softmax(s);  o_lat = sum_l p[l] kv[l];  out[b, h*v:(h+1)*v] = W_UV[h] @ o_lat. Everything in fp32 (the
-  torch einsum path rounds q_lat, p and o_lat to the model dtype between einsums), rounded once at the end.
-  Positions past pos[b] are never loaded, so stale (even non-finite) values there cannot reach the result.
-
-Cache row b belongs to batch row b, and pos[b] (cache.lengths[b] before the step) must lie in [0, L): the
-kernels cannot check that without a host synchronisation; the cache write skips a position outside it.
-
-Launches: the cache write is one program per row (R + Dr + H*Dr values). The attention is three short, wide
-launches through fp32 scratch (q_lat [B, H, R], then per-chunk partials): one program per (row, head) walking
-both weight matrices and the cache in turn was a chain of dependent, latency-bound loads on only B*H SMs (23 us
-a layer at batch 1 on an H200 for ~0.3 MB read). (1) q_lat: program (b, h, j) reads a [nope, SLICE_R] slice of
-W_UK[h] (R / SLICE_R programs a head); (2) the core, split over positions as flash-decoding does: program
-(b, h, c) reads q_lat and chunk c of the row's live cache (SPLITS chunks of whole BLOCK_L blocks), with an online
-softmax over BLOCK_L positions at a time, and writes its unnormalised partial with its max and sum (the latent
-cache is shared by all heads, MQA in the latent space, so the heads of a row reread it from the L2); (3) out:
-program (b, h, j) merges the chunks' partials into o_lat, reads SLICE_V rows of W_UV[h] and rounds once to the
-model dtype. With one chunk the result is bitwise the unsplit one. The chunks are fewer at larger batches (see
-SPLITS). The loops are ``tl.range`` with ``num_stages`` (loads pipelined through shared memory with cp.async).
-Compiled offline for sm_90 at DeepSeek-V2-Lite's shape in bf16 (Triton 3.6, 4 chunks): 40, 172 and 96
-registers, no spills, at most 52 KB of shared memory (the core; 88 KB in fp32). Block sizes, warps and stages
-are otherwise untuned. Nothing waits on the host and no shape depends on the data: every launch
-can be captured in a CUDA graph and replayed with new positions.
-
-Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the same
-maths; wrong shapes raise ValueError.
+- ``mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)``: RMSNorm of
+  kv_a[b, :R] into cache_kv [layers, rows, L, R] and rope of kv_a[b, R:] into cache_pe [layers, rows, L, Dr], both
+  at position pos[b] of cache row b; the rope part of q [B, H, nope + Dr] is rotated in place. One launch.
+- ``mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)`` -> out [B, H*v] in q's dtype: row b's heads
+  over positions 0..pos[b] of cache row b, w_kv [H, nope + v, R] holding W_UK and W_UV; fp32 inside, rounded
+  once. Three launches.
+One dtype (fp16/bf16/fp32) for q, kv_a, weights and caches; pos int32/int64, each in [0, L) (the device cannot
+check it). Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the
+same maths; wrong shapes raise ValueError. Contract, launches, measurements: kernels/KERNELS.md, section
+"Latent attention (`mla.py`)".
 """
 from __future__ import annotations
 

@@ -1,47 +1,14 @@
 """Routed experts of a MoE layer at decode: experts_gate_up, experts_down, moe_experts, for CUDA-graph capture.
 
-For B tokens that each chose k experts (ids [B, k]). An id of -1 marks a (token, slot) pair not computed on this
-device (expert parallelism: its expert lives on another rank):
-
-- ``experts_gate_up``: h[b, s] = silu(g) * u, g and u the gate and up rows of expert ids[b, s] against x[b]
-  (w13 [E, 2I, D]: rows 0..I-1 gate_proj, I..2I-1 up_proj), fp32 sums, silu and product, cast once to x's dtype;
-  the rows of -1 pairs are left unspecified;
-- ``experts_down``: y[b, s] = w2[ids[b, s]] @ h[b, s] in fp32 (w2 [E, D, I]); 0.0 for a -1 pair, whose h row is
-  not read;
-- ``moe_experts``: out[b] = sum over s ascending of weights[b, s] * y[b, s], fp32: the sum over the slots with an
-  id >= 0 (a -1 slot adds weights[b, s] * 0, so its weight must be finite);
-- ``route(ids)``: the pairs sorted by expert on the device (None at B = 1, where no kernel needs them). A caller
-  of experts_gate_up and experts_down on the same ids routes once and passes ``route=`` to both (moe_experts
-  does so itself).
-
-Two kernels, chosen at launch from B (known on the host, so the grid may differ):
-
-- B = 1: one program per (weight-row block, pair), one warp, fp32 products over a BLOCK_K slice summed by one
-  [BLOCK_N, BLOCK_K] reduction, slices added in ascending K: a gemv at ~85% of the HBM bandwidth on an H200.
-  The pairs need no sort.
-- B >= 2: each expert's weights are read once per call however many tokens chose it, without the host. The B*k
-  pairs are sorted by expert on the device (stable, so a group's tokens come in ascending b; -1 pairs first) and
-  a fixed grid of (weight-row block, sorted pair) programs runs. The pair that starts a group, and every G-th
-  pair after it in a group larger than G = 16 (a row repeating an expert), loads the inputs of its (up to) G
-  members as a [G, BLOCK_K] tile, rows past them 0, against a [BLOCK_N, BLOCK_K] weight tile, and multiplies
-  them on the tensor cores (tl.dot, fp32 accumulation, K slices in ascending order). The other programs return
-  at once; those of -1 pairs read no weights (experts_down's store zeros).
-
-No shape depends on the data and nothing waits on the host, so a call can be captured in a CUDA graph and
-replayed with new ids.
-
-Numerics. Both kernels accumulate in fp32: products of 16-bit inputs are exact on the tensor cores, and fp32
-inputs take an fp32 FMA dot (not TF32). The two kernels sum in different orders, so a row computed at B = 1 and
-within a batch agree to fp32 rounding, not to the bit. What holds bitwise is that identical input rows of one
-call give identical output rows: an MMA computes every row of its tile with the same instructions, whatever
-the row's place, and the tile is always G rows, with block shapes that do not depend on B or on the routing.
-The decode pipeline's parity gate relies on it (every row of its batch carries the same prompt).
-Under the Triton interpreter the dot takes fp32 operands (its bf16 dot is wrong), with the same contracts.
-
+B <= MAX_B tokens, each with k expert ids (ids [B, k] int64; -1 marks a pair computed on another rank):
+- ``experts_gate_up(x [B, D], w13 [E, 2I, D], ids)`` -> h [B, k, I] in x's dtype: silu(gate) * up, fp32 inside;
+- ``experts_down(h, w2 [E, D, I], ids)`` -> y [B, k, D] fp32, 0.0 for a -1 pair;
+- ``moe_experts(x, w13, w2, ids, weights [B, k])`` -> [B, D] fp32: the slots' weighted sum, s ascending;
+- ``route(ids)``: the pairs sorted by expert on the device, to pass as ``route=`` to both kernels (None at B = 1).
+Inputs and weights share one dtype (fp16/bf16/fp32); ids must lie in [-1, E) (the device cannot check it).
 Inadmissible inputs (``moe_reason`` / ``gate_up_reason`` / ``down_reason``) take the torch path, which computes
-the same maths (moe_reference's pieces, honouring -1 alike); wrong shapes raise ValueError. ids must lie in
-[-1, E): the kernels cannot check that without a host synchronisation. A row that repeats an expert is still
-computed correctly, only slower.
+the same maths; wrong shapes raise ValueError. Kernels, numerics, measurements: kernels/KERNELS.md, section
+"Routed experts (`moe.py`)".
 """
 from __future__ import annotations
 

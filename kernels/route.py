@@ -1,36 +1,12 @@
 """route: the MoE router of the decode step (gate logits, softmax, top-k, weights, shared slots) in two launches.
 
-The maths of the engine's ``MoE.route``: logits = x.float() @ gate_weight.T in
-fp32, scores = softmax(logits) in fp32, the top_k largest scores; weights = score / (sum of the k scores +
-1e-20) when norm_topk_prob and top_k > 1, else score * scaling. Eager torch spends about eight launches on
-it (cast, linear, softmax, topk, scaling, the cat of the shared slots), ~4 µs of top-k alone a layer.
-
-Returned per row b, in ``top_k + shared`` slots:
-
-- slots 0..top_k-1: the chosen experts in descending score order, ties to the lowest expert index (the order
-  a stable descending sort gives, so a row's slots never depend on scheduling);
-- slot top_k + j: expert E + j with weight 1.0, the shared experts run by the MoE kernel as extra experts;
-- with ``remap`` (int64 [E + shared]) every id becomes remap[id]: expert parallelism's global to local ids,
-  -1 for "not on this rank".
-
-Launches (no host synchronisation, no shape depending on the data: a call can be captured in a CUDA graph):
-
-1. ``_logits_kernel``, grid (E / BLOCK_E, D / BLOCK_D): each program multiplies one [BLOCK_E, BLOCK_D] tile
-   of the gate weight, read once, with every row's x slice and writes fp32 partial logits [split, B, E]. The
-   weight (E·D·4 bytes, 512 KB at DeepSeek-V2-Lite) is spread over ~128 programs instead of one SM per row.
-2. ``_select_kernel``, one program per row: adds the partials in ascending split order, softmax, top-k by
-   iterative argmax, the weights, the shared slots and the remap.
-
-Numerics: fp32 throughout; only the order of the logits' sums (fixed tiles, splits added in ascending order)
-and exp's rounding (Triton's fast exp on a GPU) differ from torch, so scores agree to a few fp32 units in the
-last place (divisions round to nearest, as torch's do). Two experts whose scores torch separates by less than
-that can come out in the other order. A row's results do not depend on the batch (each row's sums are the
-same code whatever B is), so row b of a batch is bitwise the row routed alone. Equal logits (e.g. equal gate
-rows) give exactly equal scores, and the lowest index wins. A NaN score is picked first, as torch.topk does,
-so ids stay in [0, E).
-
-Inputs a kernel does not admit (``route_reason``) take ``route_reference``, the same maths in torch; wrong
-shapes raise ValueError.
+The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) against gate_weight [E, D]
+(E <= MAX_E), fp16/bf16/fp32. Returns ids [B, top_k + shared] int64 and weights fp32: the top_k experts in
+descending score order, ties to the lowest index, then shared expert j as id E + j with weight 1.0; ``remap``
+(int64 [E + shared]) maps every id (expert parallelism: -1 for "not on this rank"). No host synchronisation and
+no shape that depends on the data: a call can be captured in a CUDA graph. Inputs a kernel does not admit
+(``route_reason``) take ``route_reference``, the same maths in torch; wrong shapes raise ValueError.
+Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
 

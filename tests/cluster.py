@@ -4,7 +4,7 @@ tests/test_cluster.py (README "Running on a cluster").
 Debian's packages (slurmctld, slurmd, slurm-client, munge, postgresql) are installed when missing (as root,
 through apt-get); each daemon runs in the foreground as a child of the test, and `stop()` ends them and removes
 /etc/slurm/slurm.conf (a slurm.conf without its controller makes every `snakemake` start wait ~9 s once the
-Slurm executor plugin is installed: DESIGN.md "Cluster notes"). Whatever cannot be set up raises `Unavailable`
+Slurm executor plugin is installed: README "Cluster notes"). Whatever cannot be set up raises `Unavailable`
 with the reason, and the test skips saying it.
 """
 

@@ -64,13 +64,13 @@ def build(root: Path, campaign: str = "tiny", eid: str = "aaaaaaa-c11111111-r1",
     with Stage(ev, "compare") as st:
         st.write_json("parity/comparison.json", {"verdict": verdict, "near_tie_margin": 1e-4, "cells": [
             {"backend": "single", "kernels": "torch", "batch": 1, "case": "greeting", "verdict": verdict}]})
-        st.tags["verdict"] = verdict
+        st.tags["parity.verdict"] = verdict
         st.metrics.update(cells=1, cells_exact=float(verdict == "all_token_text_exact"))
     with Stage(ev, "bench-single") as st:
         for c in cells:
             st.write_json(f"bench/{c['backend']}-b{c['batch']}.json", c)
             st.metrics[f"b{c['batch']}_tpot_p50_ms"] = c["stats"]["tpot"]["p50"]
-    with Stage(ev, "bench-report") as st:
+    with Stage(ev, "bench_report") as st:
         frame = benchstats.summary_frame(cells)
         st.add_file(write_text(ev / "bench/summary.csv", frame.to_csv(index=False)))
         if plot:
@@ -80,6 +80,6 @@ def build(root: Path, campaign: str = "tiny", eid: str = "aaaaaaa-c11111111-r1",
     if seal:
         write_manifest(ev, {"evidence_id": eid, "campaign": campaign, "created_utc": created,
                             "git": {"commit": eid.split("-")[0] + "0" * 33, "dirty": None}, "config_sha256": "11" * 32,
-                            "stages": {"compare": "ok", "bench-single": "ok", "bench-report": "ok"}, "verdict": verdict,
+                            "stages": {"compare": "ok", "bench-single": "ok", "bench_report": "ok"}, "verdict": verdict,
                             "tracking": tracking or {"status": "pending", "reason": "ConnectionError: unreachable"}})
     return ev

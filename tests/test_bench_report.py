@@ -1,4 +1,4 @@
-"""The bench-report stage: baseline lookup and per-cell claims against a baseline directory."""
+"""The bench_report stage: baseline lookup and per-cell claims against a baseline directory."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
     cpu_only = {"record_checkpoint", "compare", "bench_report", "seal", "gate", "archive"}
     for j in jobs:
         want = (0 if j["rule"] in cpu_only else
-                2 if j["rule"] in ("parity", "bench") and j["wildcards"][4:].split("-")[0] not in ("single", "hf") else
+                2 if j["rule"] in ("parity", "bench") and j["wildcards"].split(",")[0] not in ("backend=single", "backend=hf") else
                 2 if j["rule"] == "context" else 1)  # context records the devices the campaign uses: all of them
         assert j["resources"]["gpu"] == str(want), j
         assert j["resources"].get("gpu_model") == ("h200" if want else None), j
@@ -294,7 +294,7 @@ def test_default_campaign_on_slurm_equals_the_local_run(slurm, tmp_path_factory)
     stable = [rel for rel in ma["files"] if not rel.startswith(TIME_VARYING)]
     assert len(stable) >= 20, stable
     differ = [rel for rel in stable if ma["files"][rel]["sha256"] != mb["files"][rel]["sha256"]]
-    for rel in differ:  # wall times inside a result file (quality/gsm8k64-*.json: the stage's, its server's start)
+    for rel in differ:  # wall times inside a result file (quality/gsm8k-*.json: the stage's, its server's start)
         x, y = read_json(a / rel), read_json(b / rel)
         for k in ("seconds", "server_ready_s"):
             x.pop(k, None), y.pop(k, None)

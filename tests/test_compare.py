@@ -521,7 +521,7 @@ def test_cli_writes_comparison_and_stage_record(tmp_path):
 
     st = read_json(ev / "stages" / "compare.json")
     assert st["status"] == "ok"
-    assert st["tags"]["verdict"] == "near_tie_divergence"
+    assert st["tags"]["parity.verdict"] == "near_tie_divergence"
     assert st["params"] == {"near_tie_margin": cmp.NEAR_TIE["float32"], "logic_tolerance": TOL, "precision_bound": cmp.PRECISION_BOUND}
     assert st["metrics"] == {"cells_exact": 1, "cells": 2, "logic_max_abs_delta": 0.0}  # no precision ratio in float32
     assert st["files"] == ["parity/comparison.json"]
@@ -539,7 +539,7 @@ def test_cli_explicit_margin_and_several_runs(tmp_path):
     assert res["verdict"] == "engine_accuracy_gap"  # 5e-5 is above the configured 1e-6
     assert res["near_tie_margin"] == 1e-6
     assert [c["verdict"] for c in res["cells"]] == ["all_token_text_exact", "engine_accuracy_gap"]
-    assert read_json(ev / "stages" / "compare.json")["tags"]["verdict"] == "engine_accuracy_gap"
+    assert read_json(ev / "stages" / "compare.json")["tags"]["parity.verdict"] == "engine_accuracy_gap"
 
 
 def test_cli_hash_mismatch_fails_without_comparison(tmp_path):

@@ -1,5 +1,5 @@
 """Unit tests for the evidence core (workflow/evidence.py): hashes, atomic writes, git state,
-evidence ids, stage records and the manifest (DESIGN.md "Evidence contract")."""
+evidence ids, stage records and the manifest (ARCHITECTURE.md section 3, "The evidence contract")."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def test_make_dirs(tmp_path, umask):
 
 
 def test_html_archive_is_world_readable(tmp_path, umask):
-    from workflow.stages import html
+    from workflow import pages
 
     umask(0o077)
     root = tmp_path / "evidence"
@@ -186,7 +186,7 @@ def test_html_archive_is_world_readable(tmp_path, umask):
     with evidence.Stage(ev, "context"):
         pass
     evidence.write_manifest(ev, {"campaign": "tiny"})
-    html.write_archive(root, records=tmp_path / "records")
+    pages.write_archive(root, records=tmp_path / "records")
     modes = _modes(root)
     assert "index.html" in modes and "_pages/tiny/0123456-c89abcdef-r1.html" in modes
     for rel, m in modes.items():
@@ -451,14 +451,14 @@ def test_stage_ok_record(tmp_path):
         (tmp_path / "extra.txt").write_text("x")
         st.add_file(tmp_path / "extra.txt")
         st.metrics["tokens"] = 64.0
-        st.tags["verdict"] = "all_token_text_exact"
+        st.tags["parity.verdict"] = "all_token_text_exact"
     rec = evidence.read_json(tmp_path / "stages" / "oracle.json")
     assert rec["name"] == "oracle"
     assert rec["status"] == "ok"
     assert "error" not in rec
     assert rec["params"] == {"dtype": "float32"}
     assert rec["metrics"] == {"tokens": 64.0}
-    assert rec["tags"] == {"verdict": "all_token_text_exact"}
+    assert rec["tags"] == {"parity.verdict": "all_token_text_exact"}
     assert rec["files"] == ["extra.txt", "oracle/hf.json"]  # relative, posix, sorted
     assert evidence.read_json(tmp_path / "oracle" / "hf.json") == {"cases": []}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rec["started_utc"])

@@ -128,11 +128,11 @@ def test_graph_is_captured_once_per_shape_and_replayed(models):
 
 def test_profile_captures_the_graph_step(models, monkeypatch):
     """bench.kernels: graph profiles the step the benchmark times, not the model's ordinary forward."""
-    from workflow.stages import profile
+    from workflow import profilers
 
     _, _, fast = models
     calls = []
     real = fast.graph_decode.step
     monkeypatch.setattr(fast.graph_decode, "step", lambda c, t: (calls.append(tuple(t.shape)), real(c, t))[1])
-    assert len(profile.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
+    assert len(profilers.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
     assert calls == [(2,)] * 3

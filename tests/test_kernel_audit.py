@@ -34,7 +34,7 @@ def test_model_shapes(dirs):
 def test_cpu_records_skipped_with_reason(dirs):
     ckpt, ev = dirs
     kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
-    record = read_json(ev / "stages/kernel-audit.json")
+    record = read_json(ev / "stages/kernel_audit.json")
     assert record["status"] == "skipped" and "no CUDA device" in record["reason"]
     audit = read_json(ev / "kernels/audit.json")
     assert audit["verdict"] == "not_compiled" and audit["kernels"] == []
@@ -50,7 +50,7 @@ def test_gpu_audit_has_every_kernel_without_spills(dirs):
                                                       "skinny_linear"}
     assert all(r["registers"] > 0 for r in audit["kernels"])
     assert audit["verdict"] == ("spills" if any(r["spills"] for r in audit["kernels"]) else "ok")
-    assert read_json(ev / "stages/kernel-audit.json")["status"] == "ok"
+    assert read_json(ev / "stages/kernel_audit.json")["status"] == "ok"
 
 
 @pytest.mark.parametrize("verdict,fails", [("spills", True), ("ok", False), ("not_compiled", False)])
@@ -70,4 +70,4 @@ def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
         assert not (tmp_path / "gate.json").exists()
     else:
         gate.main(args)
-        assert read_json(tmp_path / "gate.json")["audit"] == verdict
+        assert read_json(tmp_path / "gate.json")["verdicts"]["audit"] == verdict

@@ -8,7 +8,7 @@ import torch
 
 from kernels import argmax as am
 from kernels import gemv, pdl
-from kernels.bench import capture
+from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

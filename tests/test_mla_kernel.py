@@ -13,7 +13,7 @@ import torch
 from engine.config import ModelArgs
 from engine.model import LatentCache, RMSNorm, Transformer, apply_rope, project_pair
 from kernels import mla
-from kernels.bench import capture
+from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

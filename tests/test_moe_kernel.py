@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels import moe
-from kernels.bench import capture
+from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -1,5 +1,6 @@
-"""The overlap A/B screen stage (workflow/stages/overlap.py): bitwise A = B on fresh inputs, the verdict
-rule, a broken variant B failing the gate after sealing, the SUMMARY section, and (on a GPU) the timings."""
+"""The overlap A/B screen stage (workflow/stages/overlap.py, the experiment in kernels/overlap.py): where the
+shapes come from (the model, the campaign, or none: skipped), bitwise A = B on fresh inputs, the verdict rule, a
+broken variant B failing the gate after sealing, the SUMMARY section, and (on a GPU) the timings."""
 
 from __future__ import annotations
 
@@ -21,23 +22,33 @@ from workflow.stages import overlap as ov
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
+C4 = {"K": 4096, "segments": [2048, 512, 64], "gemm_n": 1536}  # the DeepSeek-V4 C4 shapes, as the GPU campaigns state
+
+
+SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
+
+
+def overlap_defaults() -> dict:
+    return {k: v["default"] for k, v in SCHEMA["overlap"]["properties"].items()}
 
 
 def write_config(ev: Path, device: str, **overlap) -> dict:
     """The default campaign's config with the device and `overlap` keys overridden over the schema's
     `overlap` defaults (read from the schema, not validated: snakemake need not be installed here)."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["overlap"]["properties"]
+    cfg.setdefault("stages", SCHEMA["stages"]["default"])  # read by the gate
     cfg["device"] = device
-    cfg["overlap"] = {**{k: v["default"] for k, v in schema.items()}, **overlap}
+    cfg["overlap"] = {**overlap_defaults(), **overlap}
     ev.mkdir(parents=True, exist_ok=True)
     (ev / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg
 
 
-def seal_and_gate(ev: Path, out: Path) -> None:
+def seal_and_gate(ev: Path, out: Path) -> str:
+    """The overlap verdict the gate recorded (it exits when it fails the run)."""
     write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact"})
     gate.main(["--evidence", str(ev), "--out", str(out)])
+    return read_json(out)["verdicts"]["overlap"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +56,8 @@ def cpu_run(tmp_path_factory):
     """The stage as the rule runs it, on the CPU, in a fresh process (the interpreter switch is read when
     Triton decorates the kernels, so an in-process run could inherit compiled ones on a GPU machine)."""
     ev = tmp_path_factory.mktemp("cpu") / "ev"
-    cfg = write_config(ev, "cpu", inputs=16)
-    assert cfg["overlap"]["K"] == 4096 and cfg["overlap"]["trials"] == 200  # schema defaults
+    cfg = write_config(ev, "cpu", inputs=16, **C4)
+    assert cfg["overlap"]["trials"] == 200  # a schema default
     proc = subprocess.run([sys.executable, "-m", "workflow.stages.overlap", "--evidence", str(ev)],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -57,7 +68,8 @@ def test_cpu_stage_bitwise_equal_and_timing_not_measured(cpu_run):
     ev, stdout = cpu_run
     s = read_json(ev / "overlap/screen.json")
     assert s["device"] == "cpu" and s["shapes"]["source"] == "cpu-small"
-    assert s["shapes"]["reason"] == ov.CPU_REASON and s["shapes"]["configured"]["segments"] == [2048, 512, 64]
+    assert s["shapes"]["reason"] == ov.CPU_REASON and s["shapes"]["configured"] == {"source": "campaign", **C4}
+    assert s["shapes"]["segments"] == [32, 16, 8] and s["skipped"] is None
     assert s["shapes"]["segment_dtypes"] == ["float32", "float32", "float16"]
     bw = s["bitwise"]
     assert bw["inputs"] == 16 and bw["all_outputs_equal"] == 16 and bw["mismatched_inputs"] == []
@@ -76,8 +88,7 @@ def test_cpu_stage_bitwise_equal_and_timing_not_measured(cpu_run):
 
 def test_gate_passes_an_equal_screen(cpu_run, tmp_path):
     ev, _ = cpu_run
-    seal_and_gate(ev, tmp_path / "gate.json")
-    assert read_json(tmp_path / "gate.json")["overlap"] == "not_measured"
+    assert seal_and_gate(ev, tmp_path / "gate.json") == "not_measured"
 
 
 # --- the verdict rule ------------------------------------------------------------------------
@@ -124,6 +135,84 @@ def test_overall_verdict():
     assert ov.overall_verdict(64, 64, None, ov.CPU_REASON) == ("not_measured", ov.CPU_REASON)
 
 
+# --- where the shapes come from ------------------------------------------------------------------
+
+def overlap_config(model: dict, **overlap) -> dict:
+    return {"checkpoint": {"config": model}, "overlap": {**overlap_defaults(), **overlap}}
+
+
+def test_model_shapes_are_transformers_deepseek_v4_c4_projections():
+    """model_shapes against the modules transformers builds for a C4 (compressed sparse attention) layer."""
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    cfg = transformers.DeepseekV4Config()  # V4-Flash's defaults
+    with torch.device("meta"):
+        attn = modeling.DeepseekV4Attention(cfg, cfg.layer_types.index("compressed_sparse_attention"))
+    lin = {n: m for n, m in attn.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = [["compressor.kv_proj", "compressor.gate_proj"], ["compressor.indexer.kv_proj", "compressor.indexer.gate_proj"],
+             ["compressor.indexer.scorer.weights_proj"], ["q_a_proj", "kv_proj"]]
+    assert {lin[n].in_features for group in names for n in group} == {cfg.hidden_size}
+    *aux, main = [sum(lin[n].out_features for n in group) for group in names]
+    assert ov.model_shapes(cfg.to_dict()) == {"K": cfg.hidden_size, "segments": aux, "gemm_n": main} == C4
+
+
+def test_shapes_from_the_model_else_the_campaign_else_none():
+    v2 = yaml.safe_load((REPO / "config/config.yaml").read_text())["checkpoint"]["config"]
+    assert ov.model_shapes(v2) is None  # DeepSeek-V2: no compressor, no screened projections
+    assert ov.shapes_of(overlap_config(v2), cuda=True) is None  # and no stated shapes: skipped
+    stated = ov.shapes_of(overlap_config(v2, K=1024, segments=[64, 32], segment_dtypes=["float32", "float16"],
+                                         gemm_n=96), cuda=True)
+    assert stated == {"source": "campaign", "K": 1024, "segments": [64, 32], "gemm_n": 96, "reason": None,
+                      "joined_n": 96, "segment_dtypes": ["float32", "float16"], "dtype": "float16"}
+    cpu = ov.shapes_of(overlap_config(v2, **C4), cuda=False)
+    assert cpu["source"] == "cpu-small" and cpu["K"] == ov.CPU_SHAPES["K"] and cpu["segments"] == [32, 16, 8]
+    assert cpu["configured"] == {"source": "campaign", **C4} and cpu["reason"] == ov.CPU_REASON
+    v4 = {**v2, "hidden_size": 2048, "compress_ratios": [0, 4, 128], "head_dim": 128, "index_head_dim": 32,
+          "index_n_heads": 16, "q_lora_rank": 256}
+    assert ov.shapes_of(overlap_config(v4), cuda=True) == {
+        "source": "model", "K": 2048, "segments": [512, 128, 16], "gemm_n": 384, "reason": None, "joined_n": 656,
+        "segment_dtypes": ["float32", "float32", "float16"], "dtype": "float16"}
+    with pytest.raises(ValueError, match="leave overlap.K, overlap.segments, overlap.gemm_n null"):
+        ov.shapes_of(overlap_config(v4, **C4), cuda=True)  # the model's shapes are the only ones
+    with pytest.raises(ValueError, match="together or not at all .this campaign states only K, gemm_n"):
+        ov.shapes_of(overlap_config(v2, K=4096, gemm_n=1536), cuda=True)
+    with pytest.raises(ValueError, match="but not index_n_heads"):
+        ov.model_shapes({k: v for k, v in v4.items() if k != "index_n_heads"})
+    with pytest.raises(ValueError, match="differ in length"):
+        ov.shapes_of(overlap_config(v2, K=64, segments=[8, 8], gemm_n=8), cuda=True)
+
+
+def test_the_kernels_campaign_states_the_c4_shapes():
+    kernels = yaml.safe_load((REPO / "config/campaigns/dsv2-lite-kernels.yaml").read_text())
+    assert {k: kernels["overlap"][k] for k in C4} == C4
+
+
+@pytest.fixture(scope="module")
+def skipped_run(tmp_path_factory):
+    """The default campaign (the tiny DeepSeek-V2, no overlap shapes): nothing to screen. In process: the
+    skipped stage imports no kernel."""
+    ev = tmp_path_factory.mktemp("skipped") / "ev"
+    write_config(ev, "cpu")
+    return ev, ov.run(ev)
+
+
+def test_no_shapes_skips_the_screen_with_the_reason(skipped_run, tmp_path):
+    ev, s = skipped_run
+    assert s["skipped"] == ov.SKIP_REASON and s["shapes"] is None and s["bitwise"] is None
+    assert s["verdict"] == "not_measured" and s["verdict_reason"] == ov.SKIP_REASON
+    assert s["timing"] == {"measured": False, "reason": ov.SKIP_REASON, "envelopes": None}
+    assert read_json(ev / "overlap/screen.json") == json.loads(json.dumps(s))
+    assert (ev / "overlap/timings.csv").read_text() == ov.CSV_HEADER
+    assert (ev / "plots/overlap.png").read_bytes().startswith(PNG)
+    rec = read_json(ev / "stages/overlap.json")
+    assert rec["status"] == "skipped" and rec["reason"] == ov.SKIP_REASON  # never ok: nothing was screened
+    assert rec["metrics"] == {} and rec["tags"] == {"overlap.verdict": "not_measured"}
+    assert rec["files"] == ["overlap/screen.json", "overlap/timings.csv", "plots/overlap.png"]
+    text = "\n".join(summary.overlap_section(ev))
+    assert "### Overlap A/B screen (skipped)" in text and f"**Verdict: `not_measured`** — {ov.SKIP_REASON}." in text
+    assert seal_and_gate(ev, tmp_path / "gate.json") == "not_measured"  # a screen that did not apply fails nothing
+
+
 # --- a broken B --------------------------------------------------------------------------------
 
 def test_broken_b_is_a_bitwise_mismatch_and_the_gate_fails(tmp_path, monkeypatch):
@@ -141,7 +230,7 @@ def test_broken_b_is_a_bitwise_mismatch_and_the_gate_fails(tmp_path, monkeypatch
 
     monkeypatch.setattr(gemv, "gemv_fused", broken)
     ev = tmp_path / "ev"
-    write_config(ev, "auto", inputs=3, trials=4, warmup=1)
+    write_config(ev, "auto", inputs=3, trials=4, warmup=1, **C4)
     s = ov.run(ev)
     bw = s["bitwise"]
     assert s["verdict"] == "bitwise_mismatch" and s["verdict_reason"].startswith("3 of 3 input sets")
@@ -156,7 +245,7 @@ def test_broken_b_is_a_bitwise_mismatch_and_the_gate_fails(tmp_path, monkeypatch
     rec = read_json(ev / "stages/overlap.json")
     assert rec["status"] == "ok" and rec["tags"]["overlap.verdict"] == "bitwise_mismatch"
     assert rec["metrics"]["bitwise_equal"] == 0
-    with pytest.raises(SystemExit, match="overlap A/B screen found outputs of A and B that differ"):
+    with pytest.raises(SystemExit, match="overlap A/B screen.*A and B differ"):
         seal_and_gate(ev, tmp_path / "gate.json")
     assert not (tmp_path / "gate.json").exists()
 
@@ -172,7 +261,8 @@ def gpu_like_screen() -> tuple[dict, list[list]]:
     verdict, reason = ov.overall_verdict(64, 64, envs)
     screen = {
         "device": "cuda", "gpu": "NVIDIA H200",
-        "shapes": {"source": "config", "K": 4096, "segments": [2048, 512, 64], "gemm_n": 1536, "reason": None,
+        "skipped": None,
+        "shapes": {"source": "campaign", "K": 4096, "segments": [2048, 512, 64], "gemm_n": 1536, "reason": None,
                    "joined_n": 2624, "segment_dtypes": ["float32", "float32", "float16"], "dtype": "float16"},
         "variants": ov.DESCRIPTION,
         "bitwise": {"inputs": 64, "all_outputs_equal": 64, "graph_equal_eager": 64},
@@ -216,9 +306,9 @@ def test_summary_section_cpu_and_gpu(cpu_run, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the timing envelopes need a GPU")
 def test_gpu_full_shapes_time_warm_and_scrubbed(tmp_path):
     ev = tmp_path / "ev"
-    write_config(ev, "cuda", inputs=4, trials=10, warmup=2)
+    write_config(ev, "cuda", inputs=4, trials=10, warmup=2, **C4)
     s = ov.run(ev)
-    assert s["shapes"]["source"] == "config" and s["shapes"]["joined_n"] == 2624
+    assert s["shapes"]["source"] == "campaign" and s["shapes"]["joined_n"] == 2624
     assert s["bitwise"]["all_outputs_equal"] == 4 and s["bitwise"]["graph_equal_eager"] == 4
     tm = s["timing"]
     assert tm["measured"] and tm["flush_bytes"] >= 2 * tm["l2_bytes"] > 0

@@ -79,8 +79,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     for rel in ("MANIFEST.json", "SUMMARY.md", "config.yaml", "env.json", "checkpoint.json", "oracle/hf.json",
                 "parity/comparison.json", "bench/summary.csv", "bench/baseline.json", "plots/bench.png",
                 "overlap/screen.json", "overlap/timings.csv", "plots/overlap.png", "kernels/audit.json",
-                "quality/gsm8k64-hf.json", "quality/gsm8k64-engine.json", "quality/gsm8k64-hf-rows.jsonl",
-                "quality/gsm8k64-engine-rows.jsonl", "quality/gsm8k64-gate.json", "logs/quality-engine-server.log",
+                "quality/gsm8k-hf.json", "quality/gsm8k-engine.json", "quality/gsm8k-hf-rows.jsonl",
+                "quality/gsm8k-engine-rows.jsonl", "quality/gsm8k-gate.json", "logs/quality-engine-server.log",
                 "profile/capture.json", "profile/kernels.csv", "profile/trace.json.gz", "plots/profile.png",
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
                 *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
@@ -90,7 +90,9 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     assert manifest["verdict"] == "all_token_text_exact"
     assert json.loads((ev / "parity/comparison.json").read_text())["verdict"] == "all_token_text_exact"
     # on the CPU the kernel audit has nothing compiled: skipped with its reason, never ok
-    assert manifest["stages"].pop("kernel-audit") == "skipped"
+    assert manifest["stages"].pop("kernel_audit") == "skipped"
+    # the tiny DeepSeek-V2 has no auxiliary GEMV projections to screen, and the campaign states no shapes
+    assert manifest["stages"].pop("overlap") == "skipped"
     assert set(manifest["stages"].values()) == {"ok"}
     # every file but the manifest itself is sealed with its hash
     on_disk = {p.relative_to(ev).as_posix() for p in ev.rglob("*") if p.is_file() and p.name != MANIFEST}
@@ -104,14 +106,14 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     summary = (ev / "SUMMARY.md").read_text()
     assert "all_token_text_exact" in summary and "Claim boundary" in summary
     assert "### Decode benchmark" in summary and "![decode tok/s" in summary
-    assert "### Overlap A/B screen" in summary and "64/64 freshly drawn input sets" in summary
+    assert "### Overlap A/B screen (skipped)" in summary and "no auxiliary GEMV projections" in summary
     assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
     # the GSM8K quality gate (embedded set, engine through its endpoint against hf) and the profile capture
     # the quality gate on the trained checkpoint: held-out generated questions, answers against gold
     assert manifest["quality"] == "pass" and manifest["stages"]["quality"] == "ok"
     assert "### GSM8K quality gate (64 test rows, 2 shots" in summary and "**Quality verdict: `pass`**" in summary
     assert "Compared: extracted answers (strict match) against gold" in summary and "identical completions 64/64" in summary
-    hf = json.loads((ev / "quality/gsm8k64-hf.json").read_text())
+    hf = json.loads((ev / "quality/gsm8k-hf.json").read_text())
     assert hf["accuracy"] >= 0.5 and hf["data"]["test"]["source"] == "generated", hf
     trained = json.loads((ev / "checkpoint.json").read_text())["trained"]
     assert trained["train"]["steps"] == 800 and trained["loss"]["last"] < trained["loss"]["first"]

@@ -1,8 +1,10 @@
-"""The profile capture stage (workflow/stages/profile.py): tool choice, the ncu/nsys CSV parsers, and the CPU run
-through torch.profiler producing its kernel table, plot, trace and SUMMARY section."""
+"""The profile capture stage (workflow/stages/profile.py): tool choice and the ncu/nsys CSV parsers
+(workflow/profilers.py), the floor (workflow/floor.py), and the CPU run through torch.profiler producing its kernel
+table, plot, trace and SUMMARY section."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import json
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import tinyev
-from workflow import summary
+from workflow import floor, profilers, summary
 from workflow.evidence import read_json
 from workflow.stages import profile
 
@@ -22,7 +24,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def cpu_run(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("the CPU capture is tested on a machine without CUDA")
-    cfg = tinyev.config(nsight={"steps": 3})
+    cfg = tinyev.config(profile={"steps": 3})
     ckpt, ev = tinyev.make(tmp_path_factory.mktemp("profile"), cfg)
     cap = profile.run(ckpt, ev)
     return ev, cap
@@ -47,7 +49,8 @@ def test_kernel_table(cpu_run):
     assert totals == sorted(totals, reverse=True) and all(int(r["calls"]) >= 1 for r in rows)
     assert 0 < sum(float(r["share_pct"]) for r in rows) <= 100.5  # self times within the steps' wall time
     for r in rows:
-        assert abs(float(r["mean_us"]) * int(r["calls"]) - float(r["total_us"])) < 0.01 * float(r["total_us"]) + 0.01
+        # the CSV rounds the mean to 3 decimals: calls x 0.0005 µs of rounding
+        assert abs(float(r["mean_us"]) * int(r["calls"]) - float(r["total_us"])) < 0.0005 * int(r["calls"]) + 0.01
     assert (ev / "plots/profile.png").read_bytes().startswith(PNG)
 
 
@@ -65,30 +68,56 @@ def test_summary_section(cpu_run):
     text = "\n".join(summary.profile_section(ev))
     assert "### Profile capture (torch, 3 decode steps" in text and "ncu: no CUDA device" in text
     assert "profile/kernels.csv" in text and "plots/profile.png" in text
-    assert f"Launches: {profile.LAUNCH}." in text  # the captured kernels' durations are their own, without PDL
+    assert f"Launches: {profilers.LAUNCH}." in text  # the captured kernels' durations are their own, without PDL
+
+
+def test_ranges_cover_exactly_the_decode_steps(tmp_path, monkeypatch):
+    """The workload is engine.generate: its prefill (one forward per row) inside `prefill`, then the CUDA profiler
+    range opened before the first decode step and closed after the last, one forward per `decode_step_<i>`."""
+    from engine.checkpoint import load_model
+
+    ckpt, _ = tinyev.make(tmp_path, tinyev.config())
+    model = load_model(ckpt)
+    log = []
+
+    @contextlib.contextmanager
+    def marker(name, cuda):
+        log.append(name)
+        yield
+        log.append("/" + name)
+
+    monkeypatch.setattr(profilers, "marker", marker)
+    monkeypatch.setattr(profilers.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(profilers.torch.cuda.profiler, "start", lambda: log.append("start"))
+    monkeypatch.setattr(profilers.torch.cuda.profiler, "stop", lambda: log.append("stop"))
+    model.register_forward_hook(lambda *_: log.append("forward"))
+    times = profilers.decode_steps(model, [5, 6, 7], batch=2, steps=3, cuda=False, profiled=True)
+    steps = [x for i in range(3) for x in (f"decode_step_{i}", "forward", f"/decode_step_{i}")]
+    assert log == ["prefill", "forward", "forward", "/prefill", "start", *steps, "stop"]
+    assert len(times) == 3 and all(t > 0 for t in times)
 
 
 def test_tool_choice(monkeypatch):
-    monkeypatch.setattr(profile.shutil, "which", lambda t: f"/usr/bin/{t}" if t == "nsys" else None)
-    order, why = profile.choose("auto", cuda=True)
+    monkeypatch.setattr(profilers.shutil, "which", lambda t: f"/usr/bin/{t}" if t == "nsys" else None)
+    order, why = profilers.choose("auto", cuda=True)
     assert order == ["nsys", "torch"] and why == {"ncu": "not found on PATH"}
-    with pytest.raises(RuntimeError, match="nsight.tool is ncu but it cannot run here: not found on PATH"):
-        profile.choose("ncu", cuda=True)
-    order, why = profile.choose("torch", cuda=True)
+    with pytest.raises(RuntimeError, match="profile.tool is ncu but it cannot run here: not found on PATH"):
+        profilers.choose("ncu", cuda=True)
+    order, why = profilers.choose("torch", cuda=True)
     assert order == ["torch"] and set(why) == {"ncu", "nsys"}
 
 
 def test_ncu_and_nsys_csv_parsers():
     ncu = ('==PROF== Disconnected\n"ID","Process ID","Host Name","Kernel Name","gpu__time_duration.sum"\n'
            '"","","","","usecond"\n"0","1","h","gemv","2.50"\n"1","1","h","argmax","1.00"\n"2","1","h","gemv","3.50"\n')
-    launches = profile.parse_ncu_csv(ncu)
+    launches = profilers.parse_ncu_csv(ncu)
     assert launches == [("gemv", 2.5), ("argmax", 1.0), ("gemv", 3.5)]
-    t = profile.table(launches)
+    t = profilers.table(launches)
     assert t[0] == {"kernel": "gemv", "calls": 2, "total_us": 6.0, "mean_us": 3.0, "share_pct": pytest.approx(100 * 6 / 7)}
     nsys = ('"Time (%)","Total Time (ns)","Instances","Avg (ns)","Med (ns)","Min (ns)","Max (ns)","StdDev (ns)","Name"\n'
             '"60.0","3000","3","1000.0","1000.0","900","1100","10.0","gemv"\n'
             '"40.0","2000","1","2000.0","2000.0","2000","2000","0.0","argmax"\n')
-    t = profile.table(rows=profile.parse_nsys_csv(nsys))
+    t = profilers.table(rows=profilers.parse_nsys_csv(nsys))
     assert [(k["kernel"], k["calls"], k["total_us"]) for k in t] == [("gemv", 3, 3.0), ("argmax", 1, 2.0)]
 
 
@@ -119,7 +148,7 @@ def test_step_bytes_against_a_loaded_model(tmp_path):
     routed = {id(p) for m in moes for p in m.experts.parameters()}
     others = [p for n, p in model.named_parameters() if id(p) not in routed and n != "embed_tokens.weight"]
     expert = nbytes(next(iter(moes[0].experts.values())).parameters())
-    got = profile.step_bytes(ckpt, torch.bfloat16, batch=3, positions=7)
+    got = floor.step_bytes(ckpt, torch.bfloat16, batch=3, positions=7)
     assert got["weights"] == nbytes(others)
     assert got["chosen_experts"] == len(moes) * a.num_experts_per_tok * expert
     assert got["cache"] == a.num_hidden_layers * 3 * 7 * (a.kv_lora_rank + a.qk_rope_head_dim) * 2

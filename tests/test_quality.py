@@ -161,15 +161,15 @@ def test_run_gate_fails_on_no_claim_unless_the_campaign_marks_it_advisory(tmp_pa
     ev = tmp_path / "ev"
     (ev / "quality").mkdir(parents=True)
     (ev / "config.yaml").write_text((Path(tinyev.REPO) / "config/config.yaml").read_text())
-    (ev / "quality/gsm8k64-gate.json").write_text(json.dumps({"verdict": "no_claim", "reason": "random", "advisory": False}))
+    (ev / "quality/gsm8k-gate.json").write_text(json.dumps({"verdict": "no_claim", "reason": "random", "advisory": False}))
     write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact", "quality": "no_claim"})
-    with pytest.raises(SystemExit, match="quality gate says no_claim: random"):
+    with pytest.raises(SystemExit, match=r"quality gate says no_claim \(random\)"):
         gate_stage.main(["--evidence", str(ev), "--out", str(tmp_path / "gate.json")])
-    (ev / "quality/gsm8k64-gate.json").write_text(json.dumps({"verdict": "no_claim", "reason": "random", "advisory": True}))
+    (ev / "quality/gsm8k-gate.json").write_text(json.dumps({"verdict": "no_claim", "reason": "random", "advisory": True}))
     write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact", "quality": "no_claim"})
     gate_stage.main(["--evidence", str(ev), "--out", str(tmp_path / "gate.json")])
-    assert read_json(tmp_path / "gate.json")["quality"] == "no_claim"
-    assert read_json(tmp_path / "gate.json")["quality_advisory"] is True
+    assert read_json(tmp_path / "gate.json")["verdicts"]["quality"] == "no_claim"
+    assert read_json(tmp_path / "gate.json")["advisory"] == ["quality"]
 
 
 def test_gate_refuses_different_data_or_contract():
@@ -186,14 +186,14 @@ def test_run_gate_fails_after_sealing_when_quality_does_not_pass(tmp_path):
     ev = tmp_path / "ev"
     (ev / "quality").mkdir(parents=True)
     (ev / "config.yaml").write_text((Path(tinyev.REPO) / "config/config.yaml").read_text())
-    (ev / "quality/gsm8k64-gate.json").write_text(json.dumps({"verdict": "fail_flips", "reason": "1 flip"}))
+    (ev / "quality/gsm8k-gate.json").write_text(json.dumps({"verdict": "fail_flips", "reason": "1 flip"}))
     write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact", "quality": "fail_flips"})
     with pytest.raises(SystemExit, match="quality gate says fail_flips"):
         gate_stage.main(["--evidence", str(ev), "--out", str(tmp_path / "gate.json")])
-    (ev / "quality/gsm8k64-gate.json").write_text(json.dumps({"verdict": "pass", "reason": "ok"}))
+    (ev / "quality/gsm8k-gate.json").write_text(json.dumps({"verdict": "pass", "reason": "ok"}))
     write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact", "quality": "pass"})
     gate_stage.main(["--evidence", str(ev), "--out", str(tmp_path / "gate.json")])
-    assert read_json(tmp_path / "gate.json")["quality"] == "pass"
+    assert read_json(tmp_path / "gate.json")["verdicts"]["quality"] == "pass"
 
 
 # --- the stage on the official data (slow) -------------------------------------------------------
@@ -217,10 +217,10 @@ def test_official_64_on_the_tiny_model_engine_against_hf(tmp_path):
     # random weights: no answer is valid, so no claim (or a pass, on identical completions alone)
     assert doc["verdict"] in ("no_claim", "pass") and doc["random_weights"] and "identical completions" in doc["note"]
     for t in ("hf", "engine"):
-        r = read_json(ev / f"quality/gsm8k64-{t}.json")
+        r = read_json(ev / f"quality/gsm8k-{t}.json")
         assert r["n"] == 64 and r["data"]["test"]["sha256"] == gsm8k.OFFICIAL_SHA256["test"]
         assert r["data"]["test"]["name"] == "test.jsonl" and r["contract"]["shots"] == 1
-        rows = [json.loads(x) for x in (ev / f"quality/gsm8k64-{t}-rows.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (ev / f"quality/gsm8k-{t}-rows.jsonl").read_text().splitlines()]
         assert len(rows) == 64 and {"id", "prompt_sha256", "completion", "extracted", "gold", "ok"} <= set(rows[0])
         assert rows[0]["gold"] == "18"  # Janet's ducks
     g = doc["gates"][0]
@@ -229,4 +229,4 @@ def test_official_64_on_the_tiny_model_engine_against_hf(tmp_path):
     assert rec["status"] == "ok" and rec["tags"]["quality.verdict"] == doc["verdict"]
     text = "\n".join(summary.quality_section(ev))
     assert f"Quality verdict: `{doc['verdict']}`" in text and "identical completions" in text and "64 test rows" in text
-    assert str(SHARED) not in json.dumps(read_json(ev / "quality/gsm8k64-hf.json"))
+    assert str(SHARED) not in json.dumps(read_json(ev / "quality/gsm8k-hf.json"))

@@ -75,7 +75,7 @@ def gates(trained, tmp_path_factory) -> dict:
                     for m in names}
             doc = quality.run(ckpt, ev, endpoints=urls)
         out[dtype] = {g["candidate"]: g for g in doc["gates"]}
-        out[dtype]["hf"] = read_json(ev / "quality/gsm8k64-hf.json")
+        out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
     print("\ncandidate | dtype | verdict | correct (hf) | identical completions | flips")
     for dtype, by in out.items():
         for name, g in by.items():

@@ -223,7 +223,7 @@ def test_shape_errors_are_errors_not_fallbacks(gen):
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("B", [1, 8])
 def test_cuda_graph_replay_is_bitwise(B, gen):
-    from kernels.bench import capture
+    from kernels.graphs import capture
     D, E, k = LITE
     x, w = problem(B, D, E, torch.bfloat16, gen)
     remap = torch.arange(E + 2, device=DEV).flip(0)

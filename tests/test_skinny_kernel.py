@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import pdl, skinny
-from kernels.bench import capture
+from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -67,7 +67,7 @@ def ev(tmp_path) -> Path:
         st.metrics["cases"] = 2
     with Stage(root, "compare", params={"near_tie_margin": 1e-4}) as st:
         st.write_json("parity/comparison.json", {"verdict": "all_token_text_exact", "cells": []})
-        st.tags["verdict"] = "all_token_text_exact"
+        st.tags["parity.verdict"] = "all_token_text_exact"
         st.metrics["cells"] = 4
         st.metrics["cells_exact"] = 4
     return root

@@ -35,12 +35,12 @@ def synthetic() -> dict:
 
 
 def config(**sections) -> dict:
-    """The default campaign on the synthetic checkpoint, with every quality/nsight key at its schema default,
+    """The default campaign on the synthetic checkpoint, with every quality/profile key at its schema default,
     overridden by `sections` (dicts are merged one level deep, gsm8k two)."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
     cfg["checkpoint"] = synthetic()
     schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
-    for name in ("quality", "nsight"):
+    for name in ("quality", "profile"):
         base = defaults(schema[name])
         mine = cfg.get(name, {})
         merged = {**base, **mine}

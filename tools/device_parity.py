@@ -32,6 +32,7 @@ import mutants  # noqa: E402
 from workflow import checkpoints, logprobs  # noqa: E402
 from workflow.evidence import read_json, write_json, write_text  # noqa: E402
 from workflow import session  # noqa: E402
+from workflow.runs import label  # noqa: E402
 from workflow.stages import checkpoint, compare, oracle, parity  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of this script on a tiny campaign
@@ -159,7 +160,7 @@ def main() -> None:
         t = time.time()
         parity.main(["--checkpoint", str(ckpt), "--evidence", str(ev), "--backend", "single", "--kernels", k,
                      "--batch-sizes", a.batch_sizes])
-        runs += [str(ev / f"parity/{parity.run_name('single', k)}-b{b}.json") for b in batches]
+        runs += [str(ev / f"parity/{label('single', k, b)}.json") for b in batches]
         compare.main(["--evidence", str(ev), *runs])
         table.append(row("none", read_json(ev / "parity/comparison.json"), time.time() - t))
         print(table[-1], flush=True)

@@ -55,7 +55,7 @@ def main() -> None:
         cfg["dtype"] = a.dtype
     if a.layers:
         cfg["checkpoint"]["config"]["num_hidden_layers"] = a.layers
-    cfg.setdefault("nsight", {}).update(tool=a.tool, steps=a.steps)
+    cfg.setdefault("profile", {}).update(tool=a.tool, steps=a.steps)
     schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
     cfg = fill(schema, cfg)
     # what workflow.campaign.evidence_config records (that module imports snakemake, not on the GPU machine):

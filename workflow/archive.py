@@ -1,21 +1,22 @@
-"""Reading the evidence archive: list, resolve abbreviated ids, load, diff, verify, sync (prune: workflow/prune.py).
+"""Reading the evidence archive: list, resolve abbreviated ids, load, verify, sync (diff: workflow/diff.py;
+prune: workflow/prune.py).
 
-Plain data in and out; printing is the CLI's business and HTML the html stage's. This module sits
-beside tracking and benchstats (it imports only them and the evidence core), so that stages may
-use it too (bench_report resolves its baseline here) without a stage importing another stage.
+Plain data in and out; printing is the CLI's business and HTML the archive stage's. This module sits
+beside tracking (it imports only it and the evidence core), so that stages may use it too (bench_report
+resolves its baseline here) without a stage importing another stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 from pathlib import Path
 
 import yaml
 
-from workflow import benchstats, tracking
+from workflow import tracking
+from workflow.gates import GATES, PARITY
 from workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
                                utc_now, write_json)
 
@@ -24,8 +25,6 @@ TRACKING_RECORDS = Path(".evident/tracking")
 """Where sync records what it logged: a sealed directory is never rewritten, so a manifest that says
 `pending` stays so; the record beside it says the outage has been filled since."""
 
-IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
-"""Config keys that differ between comparable runs by design: they do not limit a comparison."""
 
 
 class NotFound(FileNotFoundError):
@@ -208,18 +207,17 @@ class Evidence:
 
     @functools.cached_property
     def gates(self) -> dict[str, str]:
-        """Each gate's verdict, parity first: every JSON file a stage wrote with a top-level `verdict`
-        (parity/comparison.json, overlap/screen.json, kernels/audit.json, and later gates alike),
-        named after its folder. The stages tag their verdicts under different names; the files agree."""
+        """Each gate's verdict (workflow/gates.py), parity first, from the file its stage wrote; the manifest's
+        parity verdict for a directory sealed before stages listed their files."""
+        files = {f for r in self.records for f in r.get("files", [])}
         found = {}
-        for rel in sorted({f for r in self.records for f in r.get("files", []) if f.endswith(".json")}):
-            doc = self.read(rel)
+        for g in GATES:
+            doc = self.read(g.file) if g.file in files else None
             if isinstance(doc, dict) and isinstance(doc.get("verdict"), str):
-                name = rel.split("/")[0] if "/" in rel else rel.removesuffix(".json")
-                found[name if name not in found else rel.removesuffix(".json")] = doc["verdict"]
+                found[g.name] = doc["verdict"]
         if not found and (self.manifest or {}).get("verdict"):
-            found["parity"] = self.manifest["verdict"]  # a directory sealed before stages listed their files
-        return dict(sorted(found.items(), key=lambda kv: (kv[0] != "parity", kv[0])))
+            found[PARITY.name] = self.manifest["verdict"]
+        return found
 
     @property
     def tracking(self) -> dict:
@@ -245,7 +243,7 @@ def load(path: str | Path, records: Path = TRACKING_RECORDS) -> Evidence:
         recs = stage_records(path)
     except (OSError, ValueError):
         recs = []
-    return Evidence(path=path, manifest=_manifest(_json(path / MANIFEST)), config=_dict(config),
+    return Evidence(path=path, manifest=_manifest(_json(path / MANIFEST)), config=as_dict(config),
                     env=_typed(_json(path / "env.json"), {"packages": dict, "gpus": list}) or {},
                     records=[_record(r) for r in recs if isinstance(r, dict) and isinstance(r.get("name"), str)],
                     sync_record=_typed(_json(records / f"{path.name}.json"), {}))
@@ -253,7 +251,7 @@ def load(path: str | Path, records: Path = TRACKING_RECORDS) -> Evidence:
 
 # A damaged file must not crash a listing (tests/reliability/test_fuzz.py): every field the archive reads is
 # coerced to the type it expects, or dropped.
-def _dict(v) -> dict:
+def as_dict(v) -> dict:
     return v if isinstance(v, dict) else {}
 
 
@@ -332,141 +330,3 @@ def sync(path: str | Path, uri: str | None = None, records: Path = TRACKING_RECO
     tracking.finish(path, ids, uri)
     write_json(Path(records) / f"{path.name}.json", {"synced_utc": utc_now(), **ids})
     return ids
-
-
-# --- diff ------------------------------------------------------------------------------------
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _changed(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-
-
-def _bench_cells(ev: Evidence) -> dict[tuple, dict]:
-    cells = {}
-    for p in sorted((ev.path / "bench").glob("*-b*.json")):
-        cell = _json(p)
-        if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
-            try:
-                cells[(str(cell["backend"]), int(cell["batch"]))] = cell
-            except (TypeError, ValueError, OverflowError):
-                continue
-    return cells
-
-
-def _stat(cell: dict | None, *keys):
-    try:
-        v = cell["stats"]
-        for k in keys:
-            v = v[k]
-        return float(v)
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
-    """Per bench cell: both TPOT p50 and tok/s, their change, and bench_report's directional claim
-    (A is the baseline, B the current run): a claim only where contract, versions and model match
-    and neither cell is noisy."""
-    ca, cb = _bench_cells(a), _bench_cells(b)
-    out = []
-    for key in sorted(set(ca) | set(cb)):
-        x, y = ca.get(key), cb.get(key)
-        if x is None or y is None:
-            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                     "reason": f"only in {'B' if x is None else 'A'}"}
-        else:
-            try:
-                claim = benchstats.directional_claim(y, x)
-            except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
-                claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                         "reason": f"malformed cell: {e}"}
-        out.append({"backend": key[0], "batch": key[1],
-                    "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
-                    "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim})
-    return out
-
-
-def _number(v) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
-def metric_diff(a: Evidence, b: Evidence) -> list[dict]:
-    """Every stage metric (what MLflow shows) side by side. Single values carry no noise estimate, so
-    they make no directional claim; the bench cells above do."""
-    ma = {f"{r['name']}.{k}": v for r in a.records for k, v in r.get("metrics", {}).items()}
-    mb = {f"{r['name']}.{k}": v for r in b.records for k, v in r.get("metrics", {}).items()}
-    out = []
-    for k in sorted(set(ma) | set(mb)):
-        x, y = _number(ma.get(k)), _number(mb.get(k))
-        delta = None if x is None or y is None else y - x
-        pct = None if delta is None or x == 0 else delta / abs(x) * 100.0
-        out.append({"metric": k, "a": ma.get(k), "b": mb.get(k), "delta": delta, "delta_pct": pct})
-    return out
-
-
-def verdict_diff(a: Evidence, b: Evidence) -> list[dict]:
-    """Gate verdicts, stage outcomes and parity cells, wherever A and B differ."""
-    out = []
-    ga, gb = a.gates, b.gates
-    for k in sorted(set(ga) | set(gb)):
-        if ga.get(k) != gb.get(k):
-            out.append({"what": f"gate {k}", "a": ga.get(k), "b": gb.get(k)})
-    sa = {r["name"]: r.get("status") for r in a.records}
-    sb = {r["name"]: r.get("status") for r in b.records}
-    for k in sorted(set(sa) | set(sb)):
-        if sa.get(k) != sb.get(k):
-            out.append({"what": f"stage {k}", "a": sa.get(k), "b": sb.get(k)})
-
-    def cells(ev):
-        comp = _dict(ev.read("parity/comparison.json"))
-        return {f"parity {c.get('backend')}{'' if c.get('kernels', 'torch') == 'torch' else '-' + str(c['kernels'])} "
-                f"b{c.get('batch')} {c.get('case')}": c.get("verdict")
-                for c in (comp.get("cells") if isinstance(comp.get("cells"), list) else []) if isinstance(c, dict)}
-
-    pa, pb = cells(a), cells(b)
-    for k in sorted(set(pa) | set(pb)):
-        if pa.get(k) != pb.get(k):
-            out.append({"what": k, "a": pa.get(k), "b": pb.get(k)})
-    return out
-
-
-def limits(a: Evidence, b: Evidence) -> list[str]:
-    """Differences in what was measured (not in the code under test) that limit or void a comparison."""
-    out = []
-    if a.campaign != b.campaign:
-        out.append(f"campaign differs ({a.campaign} vs {b.campaign})")
-    keys = [k for k in _changed(_flat(a.config), _flat(b.config)) if k not in IGNORED_CONFIG_KEYS]
-    if keys:
-        out.append(f"config differs at {', '.join(keys)}")
-    pa, pb = _dict(a.env.get("packages")), _dict(b.env.get("packages"))
-    versions = [f"{k} {pa.get(k)} vs {pb.get(k)}" for k in _changed(pa, pb)]
-    if versions:
-        out.append(f"versions differ: {'; '.join(versions)}")
-    env_keys = [k for k in _changed({k: v for k, v in a.env.items() if k != "packages"},
-                                    {k: v for k, v in b.env.items() if k != "packages"})]
-    if env_keys:
-        out.append(f"environment differs at {', '.join(env_keys)}")
-    ka = {n: _dict(f).get("sha256") for n, f in _dict(_dict(a.read("checkpoint.json")).get("files")).items()}
-    kb = {n: _dict(f).get("sha256") for n, f in _dict(_dict(b.read("checkpoint.json")).get("files")).items()}
-    if ka != kb:
-        out.append(f"checkpoint differs ({', '.join(_changed(ka, kb))})")
-    for ev, side in ((a, "A"), (b, "B")):
-        if not ev.sealed:
-            out.append(f"{side} is not sealed: its files are not vouched for")
-    return out
-
-
-def diff(a: Evidence, b: Evidence) -> dict:
-    return {"a": a.label, "b": b.label, "limits": limits(a, b), "verdicts": verdict_diff(a, b),
-            "bench": bench_diff(a, b), "metrics": metric_diff(a, b)}

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -18,7 +19,7 @@ from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
 
 from engine.config import ModelArgs
-from workflow import checkpoints, estimate
+from workflow import checkpoints, estimate, runs
 from workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
@@ -28,7 +29,10 @@ HF_ONLY = {"architectures", "model_type", "torch_dtype", "dtype", "initializer_r
 MODEL_KEYS = {f.name for f in dataclasses.fields(ModelArgs)} | HF_ONLY
 MODELS = Path(__file__).resolve().parents[1] / "config/models"  # checkpoint.base: <name>.yaml
 OPTIONAL = {"rope_scaling"}  # of the tiny model's fields: absent means plain RoPE
-EP_BACKENDS = {"host-staged", "collective"}
+# A stage that needs another's output brings it (the `stages:` key).
+NEEDS = {"parity": "oracle"}
+# An old key read as its new name, with a warning: a campaign file written for an earlier version still runs.
+RENAMED = {"nsight": "profile"}
 
 
 def models() -> list[str]:
@@ -61,17 +65,40 @@ def did_you_mean(name, candidates, listing: bool = False) -> str:
 def validate_campaign(config: dict, schema: str) -> None:
     """Validate, fill defaults and resolve the campaign in place (checkpoint.base merged into checkpoint.config;
     quality.gsm8k's null limit, shots and max_tokens fitted); raise one WorkflowError listing every problem."""
+    problems = renamed_keys(config)
     spec = config.get("checkpoint")
     if isinstance(spec, dict) and spec.get("source") == "trained":
         spec.setdefault("train", {})  # so that the schema fills its defaults in, for this source only
-    problems = schema_problems(config, schema)
+    problems += schema_problems(config, schema)
     if not problems:  # the checks below rely on the schema's types and defaults
+        resolve_stages(config)
         model = resolve_model(config, problems)
         problems += check_inputs(config, model)
         problems += estimate.size_problems(config, model)
         problems += check_baseline(config, Path(schema).resolve().parents[1])
     if problems:
         raise WorkflowError(report(problems))
+
+
+def resolve_stages(config: dict) -> None:
+    """`stages` with what the chosen stages need, in the pipeline's order."""
+    chosen = set(config["stages"]) | {NEEDS[s] for s in config["stages"] if s in NEEDS}
+    config["stages"] = [s for s in runs.STAGES if s in chosen]
+
+
+def renamed_keys(config: dict) -> list[tuple[str, str]]:
+    """Move each old top-level key to its new name, warning once; both given is an error (which one is meant?)."""
+    problems = []
+    for old, new in RENAMED.items():
+        if old not in config:
+            continue
+        if new in config:
+            problems.append((old, f"is the old name of `{new}`, which is given too; keep `{new}` only"))
+            continue
+        config[new] = config.pop(old)
+        print(f"evident: campaign key `{old}` is now `{new}`; it was read as `{new}` (rename it in the campaign file)",
+              file=sys.stderr)
+    return problems
 
 
 def _where(path) -> str:
@@ -211,10 +238,17 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out.append(("quality.reference", f"{q['reference']!r} is not one of quality.targets {names}"))
     if len(set(names)) < len(names):
         out.append(("quality.targets", f"a target name appears twice: {names}"))
-    if len(config["overlap"]["segments"]) != len(config["overlap"]["segment_dtypes"]):
+    if "gate" in names:  # its results file would be the gate's (workflow/gsm8k.py RESULT, GATE)
+        out.append(("quality.targets", "`gate` names the quality gate's own file; give the target another name"))
+    o = config["overlap"]
+    stated = [k for k in ("K", "segments", "gemm_n") if o[k] is not None]
+    if stated and len(stated) < 3:
+        out.append(("overlap", f"states {', '.join(stated)} but not all of K, segments and gemm_n: the screen's "
+                               "shapes are stated together or taken from the model"))
+    if o["segments"] is not None and len(o["segments"]) != len(o["segment_dtypes"]):
         out.append(("overlap.segment_dtypes", "needs one dtype per overlap.segments entry"))
     experts, ep = (model or {}).get("n_routed_experts"), config["parallel"]["ep_size"]
-    if experts and EP_BACKENDS & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
+    if experts and set(runs.EP_BACKENDS) & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
         out.append(("parallel.ep_size", f"{ep} ranks do not divide the model's {experts} routed experts "
                                         "(checkpoint.config.n_routed_experts)"))
     if config["device"] == "cuda" and not os.environ.get("EVIDENT_SKIP_DEVICE_CHECK"):
@@ -226,7 +260,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
 
 
 def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
-    """bench.baseline must name a sealed directory now, resolved as the bench-report stage resolves it (which leaves
+    """bench.baseline must name a sealed directory now, resolved as the bench_report stage resolves it (which leaves
     out the run's own directory: its id is derived here as common.smk derives it)."""
     ref = config["bench"]["baseline"]
     if not ref:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from workflow import archive, prune
+from workflow import archive, diff, pages, prune
 
 MISMATCH, ERROR = 1, 2
 ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
@@ -103,7 +103,7 @@ def cmd_show(args) -> int:
 
 def cmd_diff(args) -> int:
     a, b = _load(args, args.a), _load(args, args.b)
-    d = archive.diff(a, b)
+    d = diff.diff(a, b)
     if args.json:
         print(json.dumps(d, indent=2))
         return 0
@@ -277,17 +277,13 @@ def cmd_prune(args) -> int:
     total += [f"{failed} failed"] if failed else []
     print("total: " + "; ".join(total))
     if removed and not args.dry_run and (root / "index.html").is_file():
-        from workflow.stages import html
-
-        written = html.write_archive(root, args.tracking_uri, _records(args))
+        written = pages.write_archive(root, args.tracking_uri, _records(args))
         print(f"{root.as_posix()}/index.html: rewritten, {len(written) - 1} evidence pages")
     return MISMATCH if failed else 0
 
 
 def cmd_html(args) -> int:
-    from workflow.stages import html
-
-    written = html.write_archive(args.root, args.tracking_uri, _records(args))
+    written = pages.write_archive(args.root, args.tracking_uri, _records(args))
     print(f"{Path(args.root).as_posix()}/index.html: {len(written) - 1} evidence pages")
     return 0
 

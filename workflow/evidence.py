@@ -6,6 +6,7 @@ source files only (SOURCE_GLOBS); what the helpers write is world-readable (0644
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import hashlib
@@ -51,6 +52,17 @@ def text_sha256(text: str) -> str:
 
 def canonical_json(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts as one level of dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def config_hash(config: dict) -> str:
@@ -270,16 +282,18 @@ class Stage:
         return False
 
 
+def stage_args(doc: str, checkpoint: bool = False) -> argparse.ArgumentParser:
+    """A stage's command line: `--evidence DIR`, and `--checkpoint DIR` when it reads the model."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if checkpoint:
+        ap.add_argument("--checkpoint", required=True, type=Path)
+    ap.add_argument("--evidence", required=True, type=Path)
+    return ap
+
+
 def stage_records(evidence_dir: str | Path) -> list[dict]:
     return [read_json(p) for p in sorted((Path(evidence_dir) / STAGES_DIR).glob("*.json"))]
 
-
-def verdict_of(records: list[dict]) -> str | None:
-    """The parity verdict, carried as a tag by the stage that decided it."""
-    return next((r["tags"]["verdict"] for r in records if "verdict" in r.get("tags", {})), None)
-
-
-# --- manifest ------------------------------------------------------------------------------
 
 def list_files(evidence_dir: str | Path) -> list[str]:
     root = Path(evidence_dir)

@@ -20,6 +20,11 @@ OFFICIAL_SHA256 = {"test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bcc
                    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"}
 HUB_REPO = "openai/gsm8k"
 
+# The quality stage's evidence files, named for the data (the contract says how many rows: `quality.gsm8k.limit`).
+RESULT = "quality/gsm8k-{target}.json"
+ROWS = "quality/gsm8k-{target}-rows.jsonl"
+GATE = "quality/gsm8k-gate.json"
+
 # The embedded set: GSM8K-format rows written by this project (short, so a tiny model's context holds
 # the shots), so the default campaign needs no download. Its bytes are canonical JSONL (below) with
 # the pinned hashes EMBEDDED_SHA256; a test recomputes them.
@@ -102,7 +107,7 @@ def load_split(cfg: dict, split: str, path: str | Path | None = None) -> tuple[l
         path = Path(raw)
         if not path.is_file():
             raise DataError(f"{key}: {path.name or path} not found; set {key} to a GSM8K JSONL file "
-                            f"(the official ones: ../shared/data/gsm8k/{split}.jsonl)")
+                            f"(the official {split}.jsonl of {HUB_REPO}, checked against {split}_sha256)")
         data, name = path.read_bytes(), path.name
         pinned = cfg.get(f"{split}_sha256") or OFFICIAL_SHA256[split]
     elif source == "hub":

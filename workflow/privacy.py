@@ -3,8 +3,9 @@
 Evidence is pasted into pull requests and replayed into a shared MLflow store, so it must carry no
 credential (a Hugging Face token, a `password=...`), no home directory (`/home/<user>`, `/root`,
 `/Users/<user>`) and neither this machine's host name nor the user name. Stage logs are raw tool
-output: `seal` scrubs the expected paths and names out of them first (`scrub_logs`), then scans every
+output: `seal` scrubs the expected paths and names out of them first (`scrub`), then scans every
 file with `scan_dir`; any hit fails the seal, naming `file:line: what`, and no manifest is written.
+The profile stage scrubs its capture and trace the same way.
 
 Pure functions over text; nothing here imports MLflow or the engine.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import getpass
 import gzip
+import json
 import re
 import socket
 from dataclasses import dataclass
@@ -46,6 +48,30 @@ class Finding:
         return f"{self.file}:{self.line}: {self.what} ({self.excerpt})"
 
 
+def _user() -> str | None:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's uid) and no LOGNAME/USER
+        return None
+
+
+def scrub(text: str) -> str:
+    """This machine's home directory -> `~`, then its user and host names, as words, -> `<user>`, `<host>`.
+    Names of fewer than two characters are left: they would replace letters."""
+    home = str(Path.home())
+    if len(home) > 1:
+        text = text.replace(home, "~")
+    for name, repl in ((_user(), "<user>"), (socket.gethostname(), "<host>")):
+        if name and len(name) > 1:
+            text = re.sub(rf"(?<!\w){re.escape(name)}(?!\w)", repl, text)
+    return text
+
+
+def scrub_json(value):
+    """`scrub` over a JSON value's text (names not \\u-escaped, so that they match), parsed back."""
+    return json.loads(scrub(json.dumps(value, ensure_ascii=False)))
+
+
 def _distinctive(name: str | None) -> bool:
     return bool(name) and len(name) >= MIN_NAME_CHARS and name.lower() not in GENERIC_NAMES
 
@@ -55,10 +81,7 @@ def machine_patterns(host: str | None = None, user: str | None = None) -> list[t
     if host is None:
         host = socket.gethostname()
     if user is None:
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):
-            user = None
+        user = _user()
     out = []
     for what, name in (("the host name", host), ("the user name", user)):
         if _distinctive(name):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,33 +17,16 @@ import torch
 from tokenizers import Tokenizer
 
 from engine import decode_kernels, graph_decode
-from engine.checkpoint import load_model
-from engine.parallel import BACKENDS as EP_BACKENDS
+from engine.checkpoint import eos_ids, load_model
 from engine.parallel import init_from_env
-from workflow import checkpoints, environment
-from workflow.evidence import Stage, read_config, read_json
-
-BACKENDS = ("single", *EP_BACKENDS)
-# the engine's decode path: torch ops, the Triton kernels of kernels/, or the CUDA-graph step (engine/graph_decode.py)
-KERNELS = ("torch", "triton", "graph")
-
-
-def run_name(backend: str, kernels: str) -> str:
-    """How evidence names one engine run: `single`, `single-triton`, ..."""
-    return backend if kernels == "torch" else f"{backend}-{kernels}"
+from workflow import checkpoints, environment, hf
+from workflow.evidence import Stage, read_config, read_json, stage_args
+from workflow.runs import BACKENDS, HF, KERNELS, run_name
 
 
 def is_primary() -> bool:
     """Rank 0 under torchrun, or the only process: the one that writes evidence and prints."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def eos_ids(ckpt_dir: Path) -> list[int]:
-    for name in ("generation_config.json", "config.json"):
-        p = ckpt_dir / name
-        if p.is_file() and (eos := json.loads(p.read_text()).get("eos_token_id")) is not None:
-            return eos if isinstance(eos, list) else [eos]
-    return []
 
 
 @dataclass
@@ -86,9 +68,7 @@ class Session:
 
 def engine_args(doc: str, backends: tuple[str, ...] = BACKENDS) -> argparse.ArgumentParser:
     """The command line every engine stage takes."""
-    ap = argparse.ArgumentParser(description=doc)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(doc, checkpoint=True)
     ap.add_argument("--backend", required=True, choices=backends)
     ap.add_argument("--batch-sizes", required=True, type=lambda text: [int(b) for b in text.split(",")])
     ap.add_argument("--kernels", default="torch", choices=KERNELS)
@@ -123,8 +103,8 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
     """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
     Triton decode path when kernels is `triton`, the CUDA-graph step when `graph`); backend `hf` loads
     transformers' model instead, as the oracle does (the benchmark's reference in the same run)."""
-    if backend not in (*BACKENDS, "hf") or kernels not in KERNELS:
-        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS}, hf "
+    if backend not in (*BACKENDS, HF) or kernels not in KERNELS:
+        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS}, {HF} "
                          f"and {KERNELS}")
     config = read_config(evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
@@ -134,11 +114,9 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
     # The tokenizer library itself (not transformers): the engine path imports no transformers code, and the
     # hf backend gets the engine's prompt ids exactly.
     tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
-    if backend == "hf":
-        from workflow.stages import oracle
-
-        _, model = oracle.load(ckpt_dir, config["dtype"], device)
-        yield Session(config, "hf", device, model, tok, eos_ids(ckpt_dir), None, "torch")
+    if backend == HF:
+        _, model = hf.load(ckpt_dir, config["dtype"], device)
+        yield Session(config, HF, device, model, tok, eos_ids(ckpt_dir), None, "torch")
         return
     ep = None
     if backend != "single":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow import checkpoints
+from workflow import checkpoints, gsm8k
 from workflow.evidence import read_config, read_json
+from workflow.runs import STAGES
 from workflow.traces import markdown
 from workflow.verdicts import worst
 
@@ -78,17 +79,15 @@ def render(evidence_dir: str | Path, git: dict) -> str:
     config = read_config(root / "config.yaml")
     env = read_json(root / "env.json")
     ckpt = read_json(root / "checkpoint.json")
-    oracle = read_json(root / "oracle/hf.json")
-    comparison = read_json(root / "parity/comparison.json")
     pk = env["packages"]
     commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted source diff {git['dirty'][:8]}" if git.get("dirty") else "")
     device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
+    skipped = [s for s in STAGES if s not in config["stages"]]
     out = [
         f"## Evidence: `{config['campaign']}` / `{root.name}`",
         "",
-        f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
-        f"transformers DeepseekV2 oracle, greedy decoding, {len(config['cases'])} cases.",
-        "",
+        *parity_headline(root, config),
+        *([f"Stages not run (the campaign's `stages:`): {', '.join(skipped)}.", ""] if skipped else []),
         markdown(["what", "value"], [
             ["commit", f"`{commit}`"],
             ["device / dtype", f"{device} / {config['dtype']}"],
@@ -100,6 +99,42 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         ] + [[f"`{name}`", f"sha256 `{f['sha256'][:16]}…`, {f['size']:,} B"]
              for name, f in ckpt["files"].items() if name.endswith(".safetensors")]),
         "",
+        *oracle_section(root, config),
+        *bench_section(root),
+        *overlap_section(root),
+        *audit_section(root),
+        *quality_section(root),
+        *profile_section(root),
+        "### Claim boundary",
+        "",
+        *parity_claims(root, config, env, ckpt),
+        ("- Does not show: quality on trained weights (the checkpoint is random: synthetic weights)"
+         if ckpt["source"] == checkpoints.RANDOM else
+         "- Does not show: quality beyond the generated arithmetic problems the model was trained for"
+         if ckpt["source"] == "trained" else "- Does not show: quality beyond the GSM8K rows evaluated")
+        + ", behaviour on other prompts, lengths, dtypes or devices.",
+        *([f"- Speed figures hold for this device ({device}) and this benchmark contract only: one fixed prompt "
+           f"copied to every row (so rows route to the same experts), EOS ignored; noisy cells make no claim."]
+          if (root / "bench/summary.csv").is_file() else []),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def parity_headline(root: Path, config: dict) -> list[str]:
+    if not (root / "parity/comparison.json").is_file():
+        return []
+    comparison = read_json(root / "parity/comparison.json")
+    return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
+            f"transformers DeepseekV2 oracle, greedy decoding, {len(config['cases'])} cases.", ""]
+
+
+def oracle_section(root: Path, config: dict) -> list[str]:
+    """The oracle's traces, then the parity table (oracle/hf.json, parity/comparison.json)."""
+    if not (root / "oracle/hf.json").is_file():
+        return []
+    oracle = read_json(root / "oracle/hf.json")
+    out = [
         "### Oracle traces",
         "",
         markdown(["case", "prompt tokens", "generated", "token_sha256", "text_sha256", "min top-1/top-2 margin"], [
@@ -108,20 +143,24 @@ def render(evidence_dir: str | Path, git: dict) -> str:
             for c in oracle["cases"]
         ]),
         "",
-        *parity_section(comparison, config["dtype"], oracle["reference"]["top_k"]),
-        *bench_section(root),
-        *overlap_section(root),
-        *audit_section(root),
-        *quality_section(root),
-        *profile_section(root),
-        "### Claim boundary",
-        "",
+    ]
+    if (root / "parity/comparison.json").is_file():
+        out += parity_section(read_json(root / "parity/comparison.json"), config["dtype"], oracle["reference"]["top_k"])
+    return out
+
+
+def parity_claims(root: Path, config: dict, env: dict, ckpt: dict) -> list[str]:
+    if not (root / "parity/comparison.json").is_file():
+        return []
+    comparison = read_json(root / "parity/comparison.json")
+    top_k = read_json(root / "oracle/hf.json")["reference"]["top_k"]
+    return [
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
         f"{'equal' if comparison['verdict'] == 'all_token_text_exact' else 'compare as above with'} the transformers "
         f"implementation for every listed case and batch size ({', '.join(map(str, config['parity']['batch_sizes']))}), "
         f"on {env['device']} in {config['dtype']}.",
         f"- The logic check holds the engine's code, run in float32, to transformers' float32 along the oracle's traces: "
-        f"within {comparison['logic_tolerance']:g} nats on every top-{oracle['reference']['top_k']} log-prob of every "
+        f"within {comparison['logic_tolerance']:g} nats on every top-{top_k} log-prob of every "
         "position, every path and batch listed. It sees wrong maths (a constant, a mask, a routing choice); it does not "
         "see low-precision arithmetic (the float32 run takes the same kernels in float32) nor anything past the traces.",
         *([f"- The precision check holds the engine's {config['dtype']} error against the float32 oracle to at most "
@@ -130,16 +169,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
            + (", and on random weights both errors are tenths of a nat, which is why bf16 free-running traces part "
               "at near-ties." if ckpt["source"] == checkpoints.RANDOM else ".")]
           if config["dtype"] != "float32" else []),
-        ("- Does not show: quality on trained weights (the checkpoint is random: synthetic weights)"
-         if ckpt["source"] == checkpoints.RANDOM else
-         "- Does not show: quality beyond the generated arithmetic problems the model was trained for"
-         if ckpt["source"] == "trained" else "- Does not show: quality beyond the GSM8K rows evaluated")
-        + ", behaviour on other prompts, lengths, dtypes or devices.",
-        f"- Speed figures hold for this device ({device}) and this benchmark contract only: one fixed prompt "
-        f"copied to every row (so rows route to the same experts), EOS ignored; noisy cells make no claim.",
-        "",
     ]
-    return "\n".join(out)
 
 
 def bench_section(root: Path) -> list[str]:
@@ -175,8 +205,10 @@ def audit_section(root: Path) -> list[str]:
         return []
     audit = read_json(root / "kernels/audit.json")
     out = ["### Kernel resource audit", ""]
+    uncovered = [f"Not covered: {'; '.join(f'{k} ({why})' for k, why in audit['not_covered'].items())}.", ""] \
+        if audit.get("not_covered") else []
     if not audit["kernels"]:
-        return out + [f"Not compiled: {audit['reason']}.", ""]
+        return out + [f"Not compiled: {audit['reason']}.", ""] + uncovered
     rows = []
     for name in dict.fromkeys(r["kernel"] for r in audit["kernels"]):
         specs = [r for r in audit["kernels"] if r["kernel"] == name]
@@ -184,21 +216,26 @@ def audit_section(root: Path) -> list[str]:
         rows.append([f"`{name}`", len(specs), f"{regs[0]}–{regs[-1]}" if len(regs) > 1 else regs[0],
                      sum(r["spills"] for r in specs), max(r["shared_bytes"] for r in specs)])
     return out + [f"**Verdict: `{audit['verdict']}`** (a spill fails the gate).", "",
-                  markdown(["kernel", "specialisations", "registers", "spills", "shared bytes"], rows), ""]
+                  markdown(["kernel", "specialisations", "registers", "spills", "shared bytes"], rows), ""] + uncovered
 
 
 def overlap_section(root: Path) -> list[str]:
-    """The overlap A/B screen (overlap/screen.json): bitwise counts, then medians per envelope or why not."""
+    """The overlap A/B screen (overlap/screen.json): bitwise counts, then medians per envelope or why not; or why
+    the screen was skipped."""
     if not (root / "overlap/screen.json").is_file():
         return []
     s = read_json(root / "overlap/screen.json")
+    if s.get("skipped"):
+        return ["### Overlap A/B screen (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
+                "![overlap screen](plots/overlap.png)", ""]
     sh, bw, tm = s["shapes"], s["bitwise"], s["timing"]
+    source = {"model": "shapes from the model", "campaign": "shapes stated by the campaign",
+              "cpu-small": "small interpreter shapes"}.get(sh["source"], f"{sh['source']} shapes")
     graph = ("" if bw["graph_equal_eager"] is None
              else f"; graph replay of A = eager A on {bw['graph_equal_eager']}/{bw['inputs']}")
     out = [
         f"### Overlap A/B screen (K={sh['K']} → {'+'.join(map(str, sh['segments']))} "
-        f"({'/'.join(sh['segment_dtypes'])}) beside a GEMM K={sh['K']} → {sh['gemm_n']}, {sh['dtype']}"
-        + (f"; {sh['source']} shapes" if sh["source"] != "config" else "") + ")",
+        f"({'/'.join(sh['segment_dtypes'])}) beside a GEMM K={sh['K']} → {sh['gemm_n']}, {sh['dtype']}; {source})",
         "",
         f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.",
         "",
@@ -231,13 +268,12 @@ def overlap_section(root: Path) -> list[str]:
 
 
 def quality_section(root: Path) -> list[str]:
-    """The GSM8K quality gate (quality/gsm8k64-*.json): per target correct/invalid, the verdict, flips."""
-    if not (root / "quality/gsm8k64-gate.json").is_file():
+    """The GSM8K quality gate (quality/gsm8k-*.json): per target correct/invalid, the verdict, flips."""
+    if not (root / gsm8k.GATE).is_file():
         return []
-    g = read_json(root / "quality/gsm8k64-gate.json")
-    targets = sorted(p.name[len("gsm8k64-"):-len(".json")] for p in (root / "quality").glob("gsm8k64-*.json")
-                     if p.name != "gsm8k64-gate.json")
-    res = {t: read_json(root / f"quality/gsm8k64-{t}.json") for t in targets}
+    g = read_json(root / gsm8k.GATE)
+    targets = sorted({g["reference"], *(x["candidate"] for x in g["gates"])})
+    res = {t: read_json(root / gsm8k.RESULT.format(target=t)) for t in targets}
     first = res[g["reference"]] if g["reference"] in res else next(iter(res.values()))
     c, d = first["contract"], first["data"]
     out = [

@@ -11,7 +11,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from workflow.evidence import read_config, stage_records, verdict_of
+from workflow import gates
+from workflow.evidence import flatten, read_config, stage_records
 
 PARENT_FILES = ("SUMMARY.md", "config.yaml", "env.json", "checkpoint.json")
 MAX_PARAM_CHARS = 6000
@@ -66,24 +67,13 @@ def _find(c, exp_id: str, filters: list[str]):
     return runs[0] if runs else None
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, str]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = str(v)[:MAX_PARAM_CHARS]
-    return out
-
-
 def _log_run(c, run_id: str, params: dict, metrics: dict, tags: dict, files: list[Path], root: Path) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
     c.log_batch(
         run_id,
         metrics=[Metric(k, float(v), 0, 0) for k, v in sorted(metrics.items())],
-        params=[Param(k, v) for k, v in sorted(_flat(params).items())],
+        params=[Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in sorted(flatten(params).items())],
         tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())],
     )
     for f in files:
@@ -106,7 +96,7 @@ def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
     config = read_config(root / "config.yaml")
     eid = root.name
     records = stage_records(root)
-    verdict = verdict_of(records) or ""
+    verdict = gates.verdicts(records).get(gates.PARITY.name, "")
     common = {"evident.id": eid, "commit": eid.split("-")[0], "device": config.get("device", ""), "verdict": verdict}
 
     c = client(uri)

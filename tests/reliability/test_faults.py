@@ -5,7 +5,6 @@ store. Two pipeline runs in all, shared by the tests of this module."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import socket
@@ -37,7 +36,7 @@ CAMPAIGN = {"campaign": "faults", "device": "cpu", "checkpoint": tinyev.syntheti
             # the engine endpoint has its own tests; a reference alone compares nothing: no_claim, advisory
             "quality": {"targets": ["hf"], "reference": "hf", "advisory": True,
                         "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}},
-            "nsight": {"steps": 1}}
+            "profile": {"steps": 1}}
 # Files whose content depends on the clock: stage records (start, finish, seconds), logs, bench timings and
 # what is drawn or written from them. Everything else must be byte-identical between two runs.
 TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "stages/", "logs/", "bench/", "plots/bench.png", "profile/",
@@ -250,7 +249,7 @@ def test_the_rerun_completes_identical_evidence(killed, outage):
     stable = [rel for rel in a if not rel.startswith(TIME_VARYING)]
     assert len(stable) >= 8, stable
     differ = [rel for rel in stable if a[rel]["sha256"] != b[rel]["sha256"]]
-    for rel in differ:  # a stage's own wall time inside its result file (quality/gsm8k64-*.json): all else equal
+    for rel in differ:  # a stage's own wall time inside its result file (quality/gsm8k-*.json): all else equal
         x, y = read_json(ev / rel), read_json(clean / rel)
         assert rel.endswith(".json") and x.pop("seconds") != y.pop("seconds") and x == y, rel
     assert len(differ) <= 2, differ

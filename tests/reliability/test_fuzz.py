@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from snakemake.exceptions import WorkflowError
 
 import handbuilt
-from workflow import archive, cli
+from workflow import archive, cli, diff
 from workflow.campaign import evidence_config, validate_campaign
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_evidence_reader_survives_damage(pristine, target, data, capsys):
         _ = (e.state, e.gates, e.tracking, e.created, e.commit, e.device, e.campaign)
         result = archive.verify(ev)
         assert set(result) == {"missing", "extra", "changed", "problems"}
-        archive.diff(e, archive.load(root / "tiny/bbbbbbb-c22222222-r1"))
+        diff.diff(e, archive.load(root / "tiny/bbbbbbb-c22222222-r1"))
         assert cli.main(["--root", str(root), "ls"]) == 0
         assert cli.main(["--root", str(root), "verify", "--all"]) in (0, 1)
         assert cli.main(["--root", str(root), "show", "aaaaaaa"]) == 0

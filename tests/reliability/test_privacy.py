@@ -60,14 +60,28 @@ def test_seal_refuses_and_writes_no_manifest(unsealed, what, capsys):
 
 def test_seal_scrubs_expected_paths_in_logs_then_seals(unsealed, monkeypatch):
     monkeypatch.setattr(seal.Path, "home", classmethod(lambda cls: seal.Path("/home/alice42")))
-    monkeypatch.setattr(seal.getpass, "getuser", lambda: "alice42")
-    monkeypatch.setattr(seal.socket, "gethostname", lambda: "gpu-node-17.cluster.example")
     log = unsealed / "logs" / "parity-single.log"
     log.parent.mkdir(exist_ok=True)
     log.write_text("loading /home/alice42/ckpt on gpu-node-17.cluster.example as alice42\n")
     seal.main(["--evidence", str(unsealed), "--no-tracking"])
     assert (unsealed / MANIFEST).is_file()
     assert log.read_text() == "loading ~/ckpt on <host> as <user>\n"
+
+
+def test_scrub_replaces_home_and_names_as_words(monkeypatch):
+    monkeypatch.setattr(privacy.Path, "home", classmethod(lambda cls: privacy.Path("/home/alice42")))
+    monkeypatch.setattr(privacy.getpass, "getuser", lambda: "alice42")
+    monkeypatch.setattr(privacy.socket, "gethostname", lambda: "gpu-node-17.cluster.example")
+    text = "/home/alice42/ckpt /tmp/alice42/x by alice42, not alice421 or malice42; on gpu-node-17.cluster.example"
+    assert privacy.scrub(text) == "~/ckpt /tmp/<user>/x by <user>, not alice421 or malice42; on <host>"
+    assert privacy.scrub_json({"path": "/home/alice42/é", "user": ["alice42"]}) == {"path": "~/é", "user": ["<user>"]}
+
+
+def test_scrub_leaves_names_too_short_to_mean_anything(monkeypatch):
+    monkeypatch.setattr(privacy.Path, "home", classmethod(lambda cls: privacy.Path("/")))
+    monkeypatch.setattr(privacy.getpass, "getuser", lambda: "a")
+    monkeypatch.setattr(privacy.socket, "gethostname", lambda: "")
+    assert privacy.scrub("a path /a/b: a word") == "a path /a/b: a word"
 
 
 def test_generic_words_and_hashes_are_not_findings():

@@ -1,5 +1,5 @@
 # The evidence archive: evidence/index.html and a page per evidence directory in evidence/_pages/
-# (workflow/stages/html.py), plus what `snakemake --report report.html` shows.
+# (workflow/stages/archive.py, workflow/pages.py), plus what `snakemake --report report.html` shows.
 
 
 report: "../report/workflow.rst"
@@ -9,22 +9,22 @@ report: "../report/workflow.rst"
 # an always-defined rule, and not on their stage rules: a sealed directory's stage rules are not
 # defined (Snakefile), and a report is made after the run, when the directory is sealed. A directory
 # sealed by an older version may lack a newer stage's file; it is then left out of the report.
-REPORTED = {
-    "summary": (f"{E}/SUMMARY.md", "summary.rst", "Evidence"),
-    "manifest": (f"{E}/MANIFEST.json", "manifest.rst", "Evidence"),
-    "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity"),
-    "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark"),
-    "bench_plot": (f"{E}/plots/bench.png", "bench-plot.rst", "Benchmark"),
-    "overlap_screen": (f"{E}/overlap/screen.json", "overlap-screen.rst", "Overlap"),
-    "overlap_plot": (f"{E}/plots/overlap.png", "overlap-plot.rst", "Overlap"),
-    "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels"),
-    "quality_gate": (f"{E}/quality/gsm8k64-gate.json", "quality-gate.rst", "Quality"),
-    "profile_plot": (f"{E}/plots/profile.png", "profile-plot.rst", "Profile"),
+REPORTED = {  # name: (path, caption, category, the stage that writes it; None: every campaign)
+    "summary": (f"{E}/SUMMARY.md", "summary.rst", "Evidence", None),
+    "manifest": (f"{E}/MANIFEST.json", "manifest.rst", "Evidence", None),
+    "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity", "parity"),
+    "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark", "bench"),
+    "bench_plot": (f"{E}/plots/bench.png", "bench-plot.rst", "Benchmark", "bench"),
+    "overlap_screen": (f"{E}/overlap/screen.json", "overlap-screen.rst", "Overlap", "overlap"),
+    "overlap_plot": (f"{E}/plots/overlap.png", "overlap-plot.rst", "Overlap", "overlap"),
+    "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels", "kernel_audit"),
+    "quality_gate": (f"{E}/{gsm8k.GATE}", "quality-gate.rst", "Quality", "quality"),
+    "profile_plot": (f"{E}/plots/profile.png", "profile-plot.rst", "Profile", "profile"),
 }
 ARCHIVE_INPUTS = {
     name: report(path, caption=f"../report/{caption}", category=category)
-    for name, (path, caption, category) in REPORTED.items()
-    if not SEALED or os.path.exists(path)
+    for name, (path, caption, category, stage) in REPORTED.items()
+    if (stage is None or stage in config["stages"]) and (not SEALED or os.path.exists(path))
 }
 INDEX = "evidence/index.html"
 
@@ -53,4 +53,4 @@ rule archive:
     benchmark:
         f"{SEAL_LOGS}/archive.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.html --out {output} {params.tracking} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.archive --out {output} {params.tracking} 2>&1 | tee {log}"

@@ -1,25 +1,4 @@
 # Checkpoint fetch (cached, shared by evidence directories) and its record in the evidence.
-
-
-rule context:
-    output:
-        config=f"{E}/config.yaml",
-        env=f"{E}/env.json",
-    # env.json records the devices the campaign runs on: it holds as many as its largest job
-    resources:
-        **job_resources(gpu=CAMPAIGN_GPUS),
-    params:
-        py=on_gpus(CAMPAIGN_GPUS),
-        ev=evidence_dir,
-        config=CONFIG_JSON,
-    log:
-        f"{E}/logs/context.log",
-    benchmark:
-        f"{E}/logs/context.benchmark.tsv"
-    shell:
-        "{params.py} -m workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"
-
-
 if config["checkpoint"]["source"] != "local":
 
     rule fetch_checkpoint:

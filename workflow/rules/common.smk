@@ -3,7 +3,7 @@ import json
 import os
 import sys
 
-from workflow import gpus
+from workflow import gpus, gsm8k, runs
 from workflow.campaign import evidence_config
 from workflow.estimate import cache_dir
 from workflow.evidence import evidence_id, git_state
@@ -84,23 +84,9 @@ def checkpoint_dir():
 
 
 CKPT = checkpoint_dir()
-# An engine run is a backend, `-triton` or `-graph` added when the engine decodes through the Triton kernels
-# or the CUDA-graph step.
-PARITY_RUNS = [b if k == "torch" else f"{b}-{k}" for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
+PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 PARITY = [f"{E}/parity/{r}-b{n}.json" for r in PARITY_RUNS for n in config["parity"]["batch_sizes"]]
 BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
-
-
-ONE_PROCESS = ("single", "hf")  # the engine on one device, and transformers (bench backend `hf`)
-
-
-def backend_of(wildcards):
-    """The backend of a rule's `run` wildcard (single, host-staged or collective, maybe `-triton` or `-graph`)."""
-    return wildcards.run.split("-triton")[0].split("-graph")[0]
-
-
-def kernels_of(wildcards):
-    return next((k for k in ("triton", "graph") if wildcards.run.endswith(f"-{k}")), "torch")
 
 
 def launcher(wildcards, threads):
@@ -110,7 +96,7 @@ def launcher(wildcards, threads):
     holds one device per rank (engine_gpus).
     """
     py = on_gpus(engine_gpus(wildcards))
-    if backend_of(wildcards) in ONE_PROCESS:
+    if wildcards.backend in runs.ONE_PROCESS:
         return py
     n = config["parallel"]["ep_size"]
     return f"OMP_NUM_THREADS={max(1, threads // n)} {py} -m torch.distributed.run --standalone --nproc-per-node {n}"
@@ -149,7 +135,7 @@ def schedule():
 
 USES_GPU, ALONE = schedule()  # ALONE: the threads of a timing run, so that no other job runs beside it
 # A device per expert-parallel rank; context records the devices the campaign uses (env.json), so it holds them all.
-EP_RUNS = any(b not in ONE_PROCESS for b in config["parity"]["backends"] + config["bench"]["backends"])
+EP_RUNS = any(b not in runs.ONE_PROCESS for s in ("parity", "bench") if s in config["stages"] for b in config[s]["backends"])
 CAMPAIGN_GPUS = config["parallel"]["ep_size"] if EP_RUNS else 1
 
 if USES_GPU and workflow.is_main_process:  # the local pool: the first N visible GPUs with --resources gpu=N
@@ -162,7 +148,7 @@ if USES_GPU and workflow.is_main_process:  # the local pool: the first N visible
 
 def engine_gpus(wildcards):
     """GPUs of an engine run (parity, bench): one per rank."""
-    return 1 if backend_of(wildcards) in ONE_PROCESS else config["parallel"]["ep_size"]
+    return 1 if wildcards.backend in runs.ONE_PROCESS else config["parallel"]["ep_size"]
 
 
 def on_gpus(n):

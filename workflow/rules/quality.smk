@@ -1,4 +1,4 @@
-# GSM8K-64 on each quality target (hf in process, the engine through its endpoint, any endpoint URL), then the
+# GSM8K on each quality target (hf in process, the engine through its endpoint, any endpoint URL), then the
 # quality gate of every candidate against the reference. The stage starts and stops the engine's server itself.
 
 
@@ -8,9 +8,9 @@ rule quality:
         record=rules.record_checkpoint.output,
         data=quality_data(),
     output:
-        results=[f"{E}/quality/gsm8k64-{t}.json" for t in QUALITY_TARGETS],
-        rows=[f"{E}/quality/gsm8k64-{t}-rows.jsonl" for t in QUALITY_TARGETS],
-        gate=f"{E}/quality/gsm8k64-gate.json",
+        results=[f"{E}/{gsm8k.RESULT.format(target=t)}" for t in QUALITY_TARGETS],
+        rows=[f"{E}/{gsm8k.ROWS.format(target=t)}" for t in QUALITY_TARGETS],
+        gate=f"{E}/{gsm8k.GATE}",
     # hf in process, then the engine server as a second process: one core each at most at a time
     threads: ALONE if USES_GPU else 1
     resources:

@@ -21,7 +21,8 @@ from engine.generate import Generation, generate
 from workflow.benchstats import BenchError, summarize_cell
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, sha256_bytes
-from workflow.session import BACKENDS, Session, engine_args, engine_stage
+from workflow.runs import BENCH_BACKENDS, HF
+from workflow.session import Session, engine_args, engine_stage
 
 
 class Marks:
@@ -71,7 +72,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=N
 
 def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
     marks = Marks(s.device)
-    decode = hf_generate if s.backend == "hf" else generate
+    decode = hf_generate if s.backend == HF else generate
     gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
     try:
         with torch.inference_mode():
@@ -114,7 +115,7 @@ def bench_batch(s: Session, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = engine_args(__doc__, (*BACKENDS, "hf")).parse_args(argv)
+    args = engine_args(__doc__, BENCH_BACKENDS).parse_args(argv)
     try:
         with engine_stage("bench", args) as (st, s):
             env = read_json(args.evidence / "env.json")

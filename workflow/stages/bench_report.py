@@ -1,4 +1,4 @@
-"""Stage `bench-report`: the benchmark table, plot and the comparison against a baseline.
+"""Stage `bench_report`: the benchmark table, plot and the comparison against a baseline.
 
 Writes bench/summary.csv, plots/bench.png and bench/baseline.json. A baseline (`bench.baseline`:
 an evidence directory, or an evidence id, any unique part of one, or @latest, in this campaign) yields a directional
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("cells", nargs="+", type=Path, help="bench/<backend>-b<B>.json files")
     args = ap.parse_args(argv)
     try:
-        with Stage(args.evidence, "bench-report") as st:
+        with Stage(args.evidence, "bench_report") as st:
             cells = [read_json(p) for p in args.cells]
             frame = benchstats.summary_frame(cells)
             st.add_file(write_text(args.evidence / "bench/summary.csv", frame.to_csv(index=False)))
@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
             st.write_json("bench/baseline.json", result)
             print(frame.to_string(index=False), flush=True)
             for c in result["cells"]:
-                print(f"[bench-report] vs {result['baseline']} {c['backend']}-b{c['batch']}: {c['claim']}"
+                print(f"[bench_report] vs {result['baseline']} {c['backend']}-b{c['batch']}: {c['claim']}"
                       + (f" ({c['reason']})" if c.get("reason") else ""), flush=True)
     except (FileNotFoundError, benchstats.BenchError) as e:
-        sys.exit(f"[bench-report] error: {e}")
+        sys.exit(f"[bench_report] error: {e}")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from workflow import logprobs
+from workflow import gates, logprobs
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 from workflow.logprobs import REFERENCE_DTYPE
+from workflow.runs import EP_BACKENDS, label as run_label
 from workflow.traces import first_difference, token_at
 from workflow.verdicts import SEVERITY
 
@@ -36,7 +37,7 @@ from workflow.verdicts import SEVERITY
 # 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the engine disagreed
 # with itself across batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
 NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
-TRANSPORTS = ("host-staged", "collective")
+TRANSPORTS = EP_BACKENDS  # host-staged against collective
 # The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
 # "Parity": 8x the largest float32 noise measured, and between transformers' own bf16 error and a low-dtype norm's.
 LOGIC_TOLERANCE = 5e-3
@@ -156,9 +157,8 @@ def kernels_of(run: dict) -> str:
 
 
 def label(run: dict) -> str:
-    """As the run's file is named: parity/<backend>[-triton]-b<B>.json."""
-    kernels = kernels_of(run)
-    return f"{run['backend']}{'' if kernels == 'torch' else '-' + kernels}-b{run['batch']}"
+    """As the run's file is named: parity/<label>.json."""
+    return run_label(run["backend"], kernels_of(run), run["batch"])
 
 
 def transport_cells(runs: list[dict]) -> list[dict]:
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie,
                              tol, bound)
             st.write_json("parity/comparison.json", result)
-            st.tags["verdict"] = result["verdict"]
+            st.tags[gates.PARITY.tag] = result["verdict"]
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
             st.metrics["cells"] = len(result["cells"])
             logic = [f["logic"]["max"] for f in result["forced"] if f["logic"]]

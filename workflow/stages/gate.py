@@ -1,58 +1,45 @@
-"""Stage `gate`: after sealing, fail the run when the parity verdict names a defect (workflow/verdicts.py:
-an accuracy gap, a precision regression, a transport regression, rows of a batch that differ), or is not exact
-under `parity.require_exact`, or when
-the overlap A/B screen (overlap/screen.json, if sealed in the directory) found outputs of A and B that differ,
-or the kernel resource audit (kernels/audit.json) found a kernel that spills registers, or the GSM8K quality gate
-(quality/gsm8k64-gate.json) did not pass (`no_claim` included) and the campaign did not mark it advisory."""
+"""Stage `gate`: after sealing, fail the run when a gate of workflow/gates.py failed (its verdict is one of the
+gate's failing verdicts, in the sealed file its stage wrote), or when the parity verdict is not exact under
+`parity.require_exact`. A gate whose document is marked `advisory` (quality.advisory) is recorded, not failed on.
+A gate whose stage the campaign did not run is recorded as not run."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from workflow.evidence import MANIFEST, read_config, read_json, write_json
-from workflow.verdicts import DEFECTS
+from workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json
+from workflow.gates import GATES, PARITY
+from workflow.runs import STAGES
 
-OVERLAP = "overlap/screen.json"
-AUDIT = "kernels/audit.json"
-QUALITY = "quality/gsm8k64-gate.json"
+
+def failure(gate, doc: dict) -> str | None:
+    if doc["verdict"] not in gate.failing or doc.get("advisory"):
+        return None
+    why = doc.get("first_divergence") or doc.get("reason")
+    return f"{gate.what} says {doc['verdict']}" + (f" ({why})" if why else "") + f"; see {gate.file}"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(__doc__)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     manifest = read_json(args.evidence / MANIFEST)
-    verdict = manifest["verdict"]
-    overlap = read_json(args.evidence / OVERLAP)["verdict"] if OVERLAP in manifest["files"] else None
-    audit = read_json(args.evidence / AUDIT)["verdict"] if AUDIT in manifest["files"] else None
-    quality = read_json(args.evidence / QUALITY) if QUALITY in manifest["files"] else None
-    if verdict in DEFECTS:
-        first = read_json(args.evidence / "parity/comparison.json")["first_divergence"]
-        sys.exit(f"[gate] the parity verdict is {verdict} (first: {first}; see parity/comparison.json); "
-                 f"the evidence is sealed in {args.evidence}")
-    if config["parity"]["require_exact"] and verdict != "all_token_text_exact":
-        sys.exit(f"[gate] parity.require_exact is set and the verdict is {verdict}; the evidence is sealed in {args.evidence}")
-    if overlap == "bitwise_mismatch":
-        sys.exit(f"[gate] the overlap A/B screen found outputs of A and B that differ (see {OVERLAP}); "
-                 f"the evidence is sealed in {args.evidence}")
-    if audit == "spills":
-        sys.exit(f"[gate] the kernel resource audit found register spills (see {AUDIT}); "
-                 f"the evidence is sealed in {args.evidence}")
-    if quality is not None and quality["verdict"] != "pass" and not quality.get("advisory"):
-        sys.exit(f"[gate] the GSM8K quality gate says {quality['verdict']}: {quality['reason']} (see {QUALITY}); "
-                 f"the evidence is sealed in {args.evidence}")
-    advisory = bool(quality and quality.get("advisory"))
-    quality = quality["verdict"] if quality else None
-    write_json(args.out, {"evidence": str(args.evidence), "verdict": verdict, "overlap": overlap, "audit": audit,
-                          "quality": quality, "quality_advisory": advisory})
-    print(f"[gate] {args.evidence}: {verdict}" + (f", overlap {overlap}" if overlap else "")
-          + (f", kernel audit {audit}" if audit else "")
-          + (f", quality {quality}" + (" (advisory: not failing the run)" if advisory and quality != "pass" else "")
-             if quality else ""), flush=True)
+    docs = {g.name: read_json(args.evidence / g.file) for g in GATES if g.file in manifest["files"]}
+    sealed = f"the evidence is sealed in {args.evidence}"
+    for g in GATES:
+        if g.name in docs and (why := failure(g, docs[g.name])):
+            sys.exit(f"[gate] {why}; {sealed}")
+    parity = docs.get(PARITY.name, {}).get("verdict")
+    if config["parity"]["require_exact"] and parity is not None and parity != "all_token_text_exact":
+        sys.exit(f"[gate] parity.require_exact is set and the verdict is {parity}; {sealed}")
+    verdicts = {g.name: docs[g.name]["verdict"] if g.name in docs else None for g in GATES}
+    advisory = sorted(n for n, d in docs.items() if d.get("advisory") and d["verdict"] != "pass")
+    write_json(args.out, {"evidence": str(args.evidence), "verdicts": verdicts, "advisory": advisory,
+                          "not_run": [g.name for g in GATES if g.stage not in config.get("stages", STAGES)]})
+    print(f"[gate] {args.evidence}: " + ", ".join(f"{n} {v}" for n, v in verdicts.items() if v)
+          + "".join(f" ({n} advisory: not failing the run)" for n in advisory), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Stage `kernel-audit`: registers, spills and shared memory of every Triton kernel, compiled at the
-campaign model's shapes (its K values and vocabulary, kernels/audit.py), into kernels/audit.json.
+"""Stage `kernel_audit`: registers, spills and shared memory of the Triton kernels kernels/audit.py covers,
+compiled at the campaign model's shapes (its K values and vocabulary), into kernels/audit.json, which names the
+kernels covered and those not (`covers`, `not_covered`).
 
 A spill fails the audit (verdict `spills`, and the gate fails the run once the directory is sealed).
 Without CUDA nothing is compiled (the interpreter runs the kernels): the stage is recorded as skipped,
@@ -8,14 +9,15 @@ with the reason.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from workflow import environment
-from workflow.evidence import Stage, read_config
+from workflow.gates import BY_NAME
+from workflow.evidence import Stage, read_config, stage_args
 
-AUDIT = "kernels/audit.json"
+AUDIT_GATE = BY_NAME["audit"]
+AUDIT = AUDIT_GATE.file
 
 
 def model_shapes(ckpt_dir: Path) -> tuple[list[int], int]:
@@ -32,24 +34,22 @@ def model_shapes(ckpt_dir: Path) -> tuple[list[int], int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
-    args = ap.parse_args(argv)
+    args = stage_args(__doc__, checkpoint=True).parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     ks, vocab = model_shapes(args.checkpoint)
-    with Stage(args.evidence, "kernel-audit", params={"device": device, "k": ks, "vocab": vocab}) as st:
+    with Stage(args.evidence, "kernel_audit", params={"device": device, "k": ks, "vocab": vocab}) as st:
+        from kernels.audit import COVERED, NOT_COVERED, audit
+
         if device != "cuda":
             reason = "no CUDA device: the Triton interpreter compiles nothing, so there is no register report"
             st.skip(reason)
-            st.write_json(AUDIT, {"verdict": "not_compiled", "reason": reason, "kernels": []})
-            st.tags["audit"] = "not_compiled"
-            print(f"[kernel-audit] skipped: {reason}", flush=True)
+            st.write_json(AUDIT, {"verdict": "not_compiled", "reason": reason, "kernels": [], "covers": [],
+                                  "would_cover": list(COVERED), "not_covered": NOT_COVERED})
+            st.tags[AUDIT_GATE.tag] = "not_compiled"
+            print(f"[kernel_audit] skipped: {reason}", flush=True)
             return
         import torch
-
-        from kernels.audit import audit
 
         dtype = {"float16": torch.float16}.get(config["dtype"], torch.bfloat16)
         c = json.loads((args.checkpoint / "config.json").read_text())
@@ -58,14 +58,15 @@ def main(argv: list[str] | None = None) -> None:
         rows = audit(ks, vocab, dtype=dtype, experts=experts)
         spilling = [r for r in rows if r["spills"]]
         verdict = "spills" if spilling else "ok"
-        st.write_json(AUDIT, {"verdict": verdict, "kernels": rows})
-        st.tags["audit"] = verdict
+        st.write_json(AUDIT, {"verdict": verdict, "kernels": rows, "covers": list(dict.fromkeys(r["kernel"] for r in rows)),
+                              "not_covered": NOT_COVERED})
+        st.tags[AUDIT_GATE.tag] = verdict
         st.metrics.update(kernels=len(rows), spills=sum(r["spills"] for r in rows),
                           max_registers=max(r["registers"] for r in rows))
         for r in rows:
-            print(f"[kernel-audit] {r['kernel']} {r.get('K', r.get('V'))} {r['dtype']}: {r['registers']} registers, "
+            print(f"[kernel_audit] {r['kernel']} {r.get('K', r.get('V'))} {r['dtype']}: {r['registers']} registers, "
                   f"{r['spills']} spills, {r['shared_bytes']} B shared", flush=True)
-        print(f"[kernel-audit] {verdict}" + (f": {len(spilling)} kernels spill" if spilling else ""), flush=True)
+        print(f"[kernel_audit] {verdict}" + (f": {len(spilling)} kernels spill" if spilling else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,34 +13,13 @@ yardstick of the precision check).
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from workflow import checkpoints, environment, logprobs
+from workflow import checkpoints, environment, hf, logprobs
 from workflow.logprobs import REFERENCE_DTYPE
-from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
-
-
-def load(ckpt_dir: Path, dtype: str, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(ckpt_dir)
-    # device_map loads straight onto the GPU (no 31 GB host copy first); accelerate does that part
-    placement = {"device_map": device} if device != "cpu" else {}
-    model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=checkpoints.DTYPES[dtype], output_loading_info=True, **placement)
-    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if bad:  # a silent random init of a missing tensor would make the oracle meaningless
-        raise checkpoints.CheckpointInvalid(f"transformers could not load {ckpt_dir} cleanly: {bad}")
-    return tok, model.to(device).eval()
-
-
-def free(model) -> None:
-    model.to("meta")  # drops the weights now, not when the last reference goes
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+from workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
 
 
 def reference_device(model, device: str) -> tuple[str, str]:
@@ -90,10 +69,7 @@ def run_case(tok, model, case: dict, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
-    args = ap.parse_args(argv)
+    args = stage_args(__doc__, checkpoint=True).parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     top_k = config["parity"]["top_k"]
@@ -101,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         with Stage(args.evidence, "oracle", params={"dtype": config["dtype"], "device": device, "top_k": top_k}) as st:
             checkpoints.verify(args.checkpoint, read_json(args.evidence / "checkpoint.json"))
             torch.manual_seed(0)
-            tok, model = load(args.checkpoint, config["dtype"], device)
+            tok, model = hf.load(args.checkpoint, config["dtype"], device)
             cases, same = [], []
             for i, case in enumerate(config["cases"], 1):
                 cases.append(run_case(tok, model, case, device))
@@ -110,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"min margin {min(cases[-1]['margins'], default=float('nan')):.4g}", flush=True)
             ref_device, where = reference_device(model, device)
             if config["dtype"] != REFERENCE_DTYPE:
-                free(model)
+                hf.free(model)
                 print(f"[oracle] float32 reference on {where}", flush=True)
-                _, model = load(args.checkpoint, REFERENCE_DTYPE, ref_device)
+                _, model = hf.load(args.checkpoint, REFERENCE_DTYPE, ref_device)
             for case, logits in zip(cases, same):
                 ref = path_logits(model, case["prompt_ids"] + case["generated_ids"], ref_device)
                 case["reference"] = logprobs.reference(ref, top_k)

@@ -23,7 +23,8 @@ from workflow import logprobs
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.traces import first_difference, token_at
-from workflow.session import Session, engine_args, engine_stage, run_name
+from workflow.runs import label, run_name
+from workflow.session import Session, engine_args, engine_stage
 
 
 def first_row_mismatch(rows: list[list[int]]) -> dict | None:
@@ -34,7 +35,7 @@ def first_row_mismatch(rows: list[list[int]]) -> dict | None:
     return None
 
 
-def run_batch(s: Session, batch: int, label: str) -> list[dict]:
+def run_batch(s: Session, batch: int, name: str) -> list[dict]:
     out, cases = [], s.config["cases"]
     for i, case in enumerate(cases, 1):
         prompt_ids = s.tokenizer.encode(case["prompt"]).ids
@@ -48,7 +49,7 @@ def run_batch(s: Session, batch: int, label: str) -> list[dict]:
         out.append({"name": case["name"], "prompt_ids": prompt_ids, "rows_identical": mismatch is None,
                     "first_row_mismatch": mismatch, "margins": gen.margins[0], "rows": rows})
         if s.primary:
-            print(f"[parity {label}] case {i}/{len(cases)} {case['name']}: "
+            print(f"[parity {name}] case {i}/{len(cases)} {case['name']}: "
                   f"{len(gen.tokens[0])} tokens x {batch} rows, rows identical: {mismatch is None}", flush=True)
     return out
 
@@ -77,18 +78,18 @@ def main(argv: list[str] | None = None) -> None:
             oracle = read_json(args.evidence / "oracle/hf.json")  # the forced runs follow its traces
             dtypes, runs = logprobs.dtypes(s.config["dtype"]), {}
             for batch in args.batch_sizes:
-                label = f"{run_name(args.backend, args.kernels)}-b{batch}"
-                runs[batch] = (label, run_batch(s, batch, label), {dtypes[0]: run_forced(s, oracle, batch)})
+                name = label(args.backend, args.kernels, batch)
+                runs[batch] = (name, run_batch(s, batch, name), {dtypes[0]: run_forced(s, oracle, batch)})
             for dtype in dtypes[1:]:  # the logic check's run, after the campaign dtype's model is freed
                 s.reload(dtype)
                 for batch in args.batch_sizes:
                     runs[batch][2][dtype] = run_forced(s, oracle, batch)
-            for batch, (label, cases, forced_runs) in runs.items():
+            for batch, (name, cases, forced_runs) in runs.items():
                 record = run_record(s, batch, cases, forced_runs)
-                st.write_json(f"parity/{label}.json", record)
+                st.write_json(f"parity/{name}.json", record)
                 st.metrics[f"b{batch}_rows_identical"] = float(all(c["rows_identical"] for c in cases))
                 if s.primary:
-                    print(f"[parity {label}] teacher-forced along the oracle's traces in {', '.join(dtypes)}", flush=True)
+                    print(f"[parity {name}] teacher-forced along the oracle's traces in {', '.join(dtypes)}", flush=True)
     except (CheckpointError, CheckpointInvalid) as e:
         sys.exit(f"[parity {run_name(args.backend, args.kernels)}] error: {e}")
 

@@ -1,21 +1,19 @@
-"""Stage `quality`: GSM8K-64 on each target, then the quality gate of every candidate against the reference.
+"""Stage `quality`: GSM8K (its first `quality.gsm8k.limit` rows) on each target, then the quality gate of every candidate against the reference.
 
 Targets (`quality.targets`): `hf` (transformers DeepseekV2, in process, as the oracle loads it), `engine`
 (this project's engine behind its OpenAI-compatible endpoint, `python -m engine.serve`, started here on a
 free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log) and
 `{name, url}` (any OpenAI-compatible `/v1/completions` endpoint). Same data, same contract for all
-(workflow/gsm8k.py). Outputs: quality/gsm8k64-<target>.json, quality/gsm8k64-<target>-rows.jsonl and
-quality/gsm8k64-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
+(workflow/gsm8k.py). Outputs: quality/gsm8k-<target>.json, quality/gsm8k-<target>-rows.jsonl and
+quality/gsm8k-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
 anything but `pass`, after sealing, unless `quality.advisory`). On random weights (checkpoint.source synthetic) the
 only claim is identical completions: anything else is `no_claim` (workflow/gsm8k.py gate).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -26,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from workflow import checkpoints, environment, gsm8k
-from workflow.evidence import Stage, read_config, read_json, write_text
+from workflow import checkpoints, environment, gsm8k, hf
+from workflow.evidence import Stage, read_config, read_json, stage_args, write_text
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300
@@ -57,18 +55,11 @@ class _StopOnText:
 @torch.inference_mode()
 def run_hf(ckpt: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     StopOnText = type("StopOnText", (_StopOnText, StoppingCriteria), {})
 
-    tok = AutoTokenizer.from_pretrained(ckpt)
-    placement = {"device_map": device} if device != "cpu" else {}
-    model, info = AutoModelForCausalLM.from_pretrained(ckpt, dtype=checkpoints.DTYPES[dtype], output_loading_info=True,
-                                                       **placement)
-    bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if bad:
-        raise checkpoints.CheckpointInvalid(f"transformers could not load the checkpoint cleanly: {bad}")
-    model = model.to(device).eval()
+    tok, model = hf.load(ckpt, dtype, device)
     out = []
     for i, it in enumerate(items, 1):
         ids = tok(it["prompt"])["input_ids"]
@@ -221,8 +212,8 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             rows, summary = gsm8k.score(items, texts, cfg["match"])
             res = {"target": name, **meta, "contract": contract, "data": data, **summary,
                    "seconds": round(time.perf_counter() - t0, 3), "device": device, "dtype": config["dtype"]}
-            st.write_json(f"quality/gsm8k64-{name}.json", res)
-            p = evidence / f"quality/gsm8k64-{name}-rows.jsonl"
+            st.write_json(gsm8k.RESULT.format(target=name), res)
+            p = evidence / gsm8k.ROWS.format(target=name)
             st.add_file(write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)))
             results[name], rows_of[name] = res, rows
             st.metrics[f"{name}_correct"] = res["correct"]
@@ -241,7 +232,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
                "random_weights": random, "note": NOTE_RANDOM if random else None,
                "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates)
                          or "no candidate beside the reference: nothing compared"}
-        st.write_json("quality/gsm8k64-gate.json", doc)
+        st.write_json(gsm8k.GATE, doc)
         st.tags["quality.verdict"] = verdict
         st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
         log(f"gate {verdict}{' (advisory)' if q['advisory'] else ''}: {doc['reason']}")
@@ -249,9 +240,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(__doc__, checkpoint=True)
     ap.add_argument("--test", default=None, help="quality.gsm8k.test (source local): the evidence records its name only")
     ap.add_argument("--train", default=None, help="quality.gsm8k.train (source local)")
     ap.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",

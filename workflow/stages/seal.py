@@ -1,21 +1,17 @@
 """Stage `seal`: SUMMARY.md, MLflow logging, then MANIFEST.json written last, atomically.
 
 Tracking never decides the evidence: if MLflow cannot be reached the directory is still sealed
-and the manifest records tracking as pending; `python -m workflow.stages.sync` replays it later.
+and the manifest records tracking as pending; `evident sync` replays it later.
 """
 
 from __future__ import annotations
 
 import argparse
-import getpass
-import re
-import socket
 import sys
 from pathlib import Path
 
-from workflow import privacy, tracking
-from workflow.evidence import (config_hash, read_config, stage_records, verdict_of, write_manifest,
-                               write_text)
+from workflow import gates, privacy, tracking
+from workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
 from workflow.summary import render
 
 
@@ -26,14 +22,10 @@ def _reason(exc: Exception) -> str:
 
 
 def scrub_logs(root: Path) -> None:
-    """Stage logs are raw tool output: replace the home directory, user and host names in them."""
-    subs = [(re.escape(str(Path.home())), "~"), (rf"\b{re.escape(getpass.getuser())}\b", "<user>"),
-            (rf"\b{re.escape(socket.gethostname())}\b", "<host>")]
+    """Stage logs are raw tool output: the home directory, user and host names out of them (privacy.scrub)."""
     for log in sorted((root / "logs").glob("*.log")):
-        text = original = log.read_text(errors="replace")
-        for pattern, repl in subs:
-            text = re.sub(pattern, repl, text)
-        if text != original:
+        original = log.read_text(errors="replace")
+        if (text := privacy.scrub(original)) != original:
             write_text(log, text)
 
 
@@ -65,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"[seal] refusing to seal {root}: {len(findings)} secret or private value(s) found "
                  f"(nothing was logged to MLflow, no manifest written):\n" + "\n".join(f"  {f}" for f in findings))
     records = stage_records(root)
-    verdict = verdict_of(records)
-    quality = next((r["tags"]["quality.verdict"] for r in records if "quality.verdict" in r.get("tags", {})), None)
+    verdicts = gates.verdicts(records)
+    verdict = verdicts.get(gates.PARITY.name)
 
     ids, track = None, {"status": "disabled"}
     if not args.no_tracking:
@@ -86,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         "config_sha256": config_hash(config),
         "stages": {r["name"]: r["status"] for r in records},
         "verdict": verdict,
-        "quality": quality,
+        "quality": verdicts.get("quality"),
+        "gates": verdicts,
         "tracking": track,
     })
     if ids:
@@ -94,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             tracking.finish(root, ids, args.tracking_uri)
         except Exception as e:
             print(f"[seal] MLflow: could not attach the manifest ({type(e).__name__}: {e}); "
-                  f"run `python -m workflow.stages.sync {root}` later", flush=True)
+                  f"run `evident sync {root}` later", flush=True)
     print(f"[seal] sealed {root} (verdict {verdict})", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The static HTML archive (workflow/stages/html.py) on directories built by hand.
+"""The static HTML archive (workflow/pages.py) on directories built by hand.
 
 The same checks on what the pipeline builds, and the screenshot the lead looks at, are in
 tests/test_archive.py (slow).
@@ -13,8 +13,7 @@ import pytest
 
 import handbuilt
 import headless
-from workflow import archive
-from workflow.stages import html
+from workflow import archive, pages
 
 HOSTILE = "\n### Notes\n\n- case `<script>alert(1)</script>` & \"quotes\" <b>bold?</b>\n"
 
@@ -33,7 +32,7 @@ def root(tmp_path, monkeypatch):
 
 
 def test_pages_outside_evidence_directories_relative_and_escaped(root, tmp_path):
-    written = html.write_archive(root)
+    written = pages.write_archive(root)
     assert sorted(p.relative_to(root).as_posix() for p in written) == [
         "_pages/gpu-ep2/ccccccc-c33333333-r1.html", "_pages/tiny/aaaaaaa-c11111111-r1.html",
         "_pages/tiny/bbbbbbb-c22222222-r1.html", "index.html"]
@@ -60,10 +59,10 @@ def test_pages_outside_evidence_directories_relative_and_escaped(root, tmp_path)
 
 
 def test_mlflow_links_only_to_an_http_server_and_never_its_credentials(root):
-    html.write_archive(root, tracking_uri="sqlite:////somewhere/private/mlflow.db")
+    pages.write_archive(root, tracking_uri="sqlite:////somewhere/private/mlflow.db")
     page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert "private" not in page and "<code>" + "p" * 32 + "</code>" in page and "mlflow ui" in page
-    html.write_archive(root, tracking_uri="https://user:secret@mlflow.example.org/prefix/")
+    pages.write_archive(root, tracking_uri="https://user:secret@mlflow.example.org/prefix/")
     page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert "secret" not in page and "user:" not in page
     assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"p" * 32}"' in page
@@ -76,7 +75,7 @@ def test_damage_is_flagged_and_stale_pages_removed(root):
     ev = root / "tiny/aaaaaaa-c11111111-r1"
     (ev / "parity/comparison.json").unlink()
     (ev / "scratch.txt").write_text("x")
-    html.write_archive(root)
+    pages.write_archive(root)
     page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert '<td>parity/comparison.json</td><td class=num>' in page and 'class="badge bad">missing' in page
     assert 'href="../../tiny/aaaaaaa-c11111111-r1/scratch.txt"' in page and "not in manifest" in page
@@ -84,21 +83,21 @@ def test_damage_is_flagged_and_stale_pages_removed(root):
 
     (root / "_pages/tiny/mine.html").write_text("<p>a page of my own</p>")
     shutil.rmtree(root / "tiny/bbbbbbb-c22222222-r1")
-    html.write_archive(root)
+    pages.write_archive(root)
     assert not (root / "_pages/tiny/bbbbbbb-c22222222-r1.html").exists()
     assert (root / "_pages/tiny/mine.html").exists()
     assert "bbbbbbb" not in (root / "index.html").read_text()
 
 
 def test_empty_archive(tmp_path):
-    html.write_archive(tmp_path / "evidence")
+    pages.write_archive(tmp_path / "evidence")
     assert "No evidence directories yet" in (tmp_path / "evidence/index.html").read_text()
 
 
 def test_archive_loads_in_headless_chromium(root, tmp_path):
     if not headless.binary():
         pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
-    html.write_archive(root)
+    pages.write_archive(root)
     for target in (root / "index.html", root / "_pages/tiny/aaaaaaa-c11111111-r1.html",
                    root / "_pages/tiny/bbbbbbb-c22222222-r1.html"):
         shot = tmp_path / f"{target.stem}.png"

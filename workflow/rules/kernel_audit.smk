@@ -14,8 +14,8 @@ rule kernel_audit:
         py=on_gpus(1),
         ev=evidence_dir,
     log:
-        f"{E}/logs/kernel-audit.log",
+        f"{E}/logs/kernel_audit.log",
     benchmark:
-        f"{E}/logs/kernel-audit.benchmark.tsv"
+        f"{E}/logs/kernel_audit.benchmark.tsv"
     shell:
         "{params.py} -m workflow.stages.kernel_audit --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -1,4 +1,5 @@
-"""Stage `html`: the static HTML archive, `evidence/index.html` and one page per evidence directory.
+"""The static HTML archive, `evidence/index.html` and one page per evidence directory (written by the `archive`
+stage after each sealing, and by `evident html` and `evident prune`).
 
 Pages live in `evidence/_pages/<campaign>/<id>.html`, never inside an evidence directory (a sealed
 directory's manifest lists every file, so a page written inside would read as tampering) nor beside
@@ -11,11 +12,9 @@ The whole archive (every campaign, every id) is rewritten on each run.
 
 from __future__ import annotations
 
-import argparse
 import html
 import os
 import re
-import sys
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -24,7 +23,7 @@ from workflow.evidence import MANIFEST, list_files, write_text
 
 PAGES = "_pages"
 GENERATOR = "evident archive"
-"""Marks the pages this stage writes, so that a page whose directory is gone can be removed safely."""
+"""Marks the pages written here, so that a page whose directory is gone can be removed safely."""
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
@@ -310,7 +309,7 @@ def index_page(entries: list[archive.Evidence], ui: str | None) -> str:
 
 def write_archive(root: str | Path = archive.ROOT, tracking_uri: str | None = None,
                   records: Path | None = None) -> list[Path]:
-    """Write every page and the index; remove pages this stage wrote for directories now gone."""
+    """Write every page and the index; remove pages written here for directories now gone."""
     root = Path(root)
     records = Path(records) if records is not None else root.parent / archive.TRACKING_RECORDS
     ui = ui_base(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
@@ -321,18 +320,3 @@ def write_archive(root: str | Path = archive.ROOT, tracking_uri: str | None = No
             stale.unlink()
     written.append(write_text(root / "index.html", index_page(entries, ui)))
     return written
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=archive.ROOT / "index.html", help="the index; the archive is its folder")
-    ap.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI; only an http(s) server gets links")
-    args = ap.parse_args(argv)
-    if args.out.name != "index.html":
-        sys.exit(f"[html] --out must name an index.html (got {args.out})")
-    written = write_archive(args.out.parent, args.tracking_uri)
-    print(f"[html] {args.out}: {len(written) - 1} evidence pages", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,200 @@
+"""Overlap A/B experiment: the auxiliary GEMVs split on the main stream (A) against fused on a side stream (B).
+
+Variant A: the split GEMVs (one ``gemv_exact`` per segment) and then the main-stream GEMM of another projection
+(``F.linear``, K -> gemm_n, M=1), all on the main stream. Variant B: the fused GEMV (``gemv_fused`` over the
+joined weight) on an auxiliary stream, overlapped with the same GEMM on the main stream and joined back (main
+waits on aux) before the consumer. Both end with the same consumer on the main stream: one kernel that packs the
+bytes of every output into a result buffer.
+
+1. ``bitwise``: on each of ``inputs`` freshly drawn input sets (new GEMV input, GEMM input and weights, seeded),
+   every output of A against B's bit for bit; on CUDA also A's graph replay against an eager run of A.
+2. ``timing`` (CUDA only): both variants' graphs replayed ``trials`` times per envelope, ``warm`` (back to back)
+   and ``scrubbed`` (a write of >= 2x the L2 size before each trial). A and B interleave (ABBA), so drift hits
+   both. CUDA events on the main stream around each replay: the graph joins the aux stream back before its end,
+   so the end event covers the aux work. The trials run in BLOCKS blocks, each queued behind a sleep kernel so
+   the host is ahead of the GPU; the caller measures a variant's noise as the spread of its block medians.
+Without CUDA the variants run eagerly (no streams, no graphs), through the Triton interpreter on CPU_SHAPES.
+
+The kernels module is an argument (``kernels.gemv``, imported by the caller once TRITON_INTERPRET is settled:
+the switch is read when Triton decorates the kernels); dtypes are torch dtypes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .graphs import capture
+
+# Interpreter shapes: K spans two BLOCK_K slices (the contract's fixed K order), and the joined rows fit one
+# interpreter program (64 rows), which costs the most per launch; one segment per screened segment.
+CPU_SHAPES = {"K": 2048, "segments": [32, 16, 8, 4], "gemm_n": 48}
+SEED = 0  # input set i is drawn from a generator seeded SEED + i
+BLOCKS = 5  # timing blocks per envelope; a variant's noise is the spread of its block medians
+FLUSH_FACTOR = 2  # the scrub writes FLUSH_FACTOR x the L2 size before each scrubbed trial
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep ahead of each block, so the host queues the block in time
+CAPTURE_WARMUP = 3  # eager runs of each variant on a side stream before its capture
+ENVELOPES = ("warm", "scrubbed")
+VARIANTS = ("A", "B")
+DESCRIPTION = {
+    "A": "split GEMVs (gemv_exact per segment) serially on the main stream, then the GEMM on the main stream",
+    "B": "fused GEMV (gemv_fused) on an aux stream overlapped with the GEMM on the main stream, "
+         "joined (main waits on aux) before the consumer",
+    "consumer": "one kernel on the main stream packing every output's bytes into a result buffer",
+}
+
+
+class Problem:
+    """Static buffers the variants read (graphs capture these addresses; fresh inputs are copied in).
+
+    A's segment weights are row views of B's joined weight: the same bytes, so A and B read the same data.
+    """
+
+    def __init__(self, K: int, sizes: list[int], out_dtypes: list[torch.dtype], gemm_n: int,
+                 dtype: torch.dtype, device: str):
+        self.K, self.sizes, self.out_dtypes, self.gemm_n, self.dtype, self.device = K, sizes, out_dtypes, gemm_n, dtype, device
+        self.x = torch.empty(K, dtype=dtype, device=device)
+        self.w = torch.empty(sum(sizes), K, dtype=dtype, device=device)
+        self.parts = list(self.w.split(sizes))
+        self.xg = torch.empty(K, dtype=dtype, device=device)
+        self.wg = torch.empty(gemm_n, K, dtype=dtype, device=device)
+        self.names = [f"segment{i}" for i in range(len(sizes))] + ["gemm"]
+        dts = out_dtypes + [dtype]
+        nbytes = [n * torch.empty(0, dtype=d).element_size() for n, d in zip(sizes + [gemm_n], dts)]
+        self.slices = list(zip(np.cumsum([0] + nbytes[:-1]).tolist(), np.cumsum(nbytes).tolist(), dts))
+
+    def draw(self, i: int) -> None:
+        """Input set i: fresh x, GEMM input and weights (randn, weights scaled by K^-1/2), seeded SEED + i."""
+        g = torch.Generator(device=self.device).manual_seed(SEED + i)
+        for buf, scale in ((self.x, 1.0), (self.xg, 1.0), (self.w, self.K ** -0.5), (self.wg, self.K ** -0.5)):
+            buf.copy_(torch.randn(buf.shape, generator=g, device=self.device) * scale)
+
+    def result(self) -> torch.Tensor:
+        return torch.empty(self.slices[-1][1], dtype=torch.uint8, device=self.device)
+
+    def unpack(self, res: torch.Tensor) -> list[torch.Tensor]:
+        return [res[a:b].clone().view(d) for a, b, d in self.slices]
+
+
+def consume(outs: list[torch.Tensor], res: torch.Tensor) -> None:
+    """The consumer: one kernel on the current stream reading every output, packing its bytes into res."""
+    torch.cat([o.reshape(-1).view(torch.uint8) for o in outs], out=res)
+
+
+def variant_a(gemv, p: Problem) -> list[torch.Tensor]:
+    outs = [gemv.gemv_exact(p.x, w, d) for w, d in zip(p.parts, p.out_dtypes)]
+    return outs + [F.linear(p.xg, p.wg)]
+
+
+def variant_b(gemv, p: Problem, aux=None) -> list[torch.Tensor]:
+    if aux is None:  # CPU: no streams, same calls
+        return list(gemv.gemv_fused(p.x, p.w, p.sizes, p.out_dtypes)) + [F.linear(p.xg, p.wg)]
+    main = torch.cuda.current_stream()
+    aux.wait_stream(main)  # fork: the fused GEMV sees this set's inputs
+    with torch.cuda.stream(aux):
+        segs = list(gemv.gemv_fused(p.x, p.w, p.sizes, p.out_dtypes))
+    y = F.linear(p.xg, p.wg)
+    main.wait_stream(aux)  # join before the consumer
+    return segs + [y]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().nan_to_num(float("inf")).max())
+
+
+def bitwise(gemv, p: Problem, inputs: int) -> tuple[dict, tuple | None]:
+    """Every output of A and B compared bit for bit on `inputs` fresh input sets (and graph A vs eager A).
+
+    Returns the record and, on CUDA, the captured graphs (A, B) for the timing part."""
+    cuda = p.device.startswith("cuda")
+    per_output = dict.fromkeys(p.names, 0)
+    equal = graph_eager = 0
+    mismatched, first = [], None
+    res_a, res_b, res_e = p.result(), p.result(), p.result()
+    graphs = None
+    if cuda:
+        aux = torch.cuda.Stream()
+        p.draw(0)
+        graphs = (capture(lambda: consume(variant_a(gemv, p), res_a), warmup=CAPTURE_WARMUP)[0],
+                  capture(lambda: consume(variant_b(gemv, p, aux), res_b), warmup=CAPTURE_WARMUP)[0])
+    for i in range(inputs):
+        p.draw(i)
+        if cuda:
+            res_a.fill_(0x00)  # different sentinels: a consumer that did not run cannot compare equal
+            res_b.fill_(0xFF)
+            graphs[0].replay()
+            graphs[1].replay()
+            consume(variant_a(gemv, p), res_e)
+            torch.cuda.synchronize()
+            graph_eager += bool(torch.equal(res_a, res_e))
+        else:
+            consume(variant_a(gemv, p), res_a)
+            consume(variant_b(gemv, p), res_b)
+        same = [bool(torch.equal(res_a[lo:hi], res_b[lo:hi])) for lo, hi, _ in p.slices]
+        for name, ok in zip(p.names, same):
+            per_output[name] += ok
+        if all(same):
+            equal += 1
+        else:
+            mismatched.append(i)
+            if first is None:
+                ua, ub = p.unpack(res_a), p.unpack(res_b)
+                first = {"input": i, "outputs": {n: {"elements_differ": int((_bits(x) != _bits(y)).sum()),
+                                                     "max_abs_diff": _max_abs_diff(x, y)}
+                                                 for n, ok, x, y in zip(p.names, same, ua, ub) if not ok}}
+        if (i + 1) % 16 == 0 or i + 1 == inputs:
+            print(f"[overlap] bitwise {i + 1}/{inputs}: {equal} equal"
+                  + (f", graph A = eager A {graph_eager}" if cuda else ""), flush=True)
+    return {
+        "inputs": inputs, "all_outputs_equal": equal, "per_output_equal": per_output,
+        "mismatched_inputs": mismatched[:100], "first_mismatch": first, "seed": SEED,
+        "compared": "bytes of every output (" + ", ".join(p.names) + ") of A against B, per input set",
+        "graph_equal_eager": graph_eager if cuda else None,
+        "graph_equal_eager_reason": None if cuda else "no CUDA graphs on the CPU: both variants ran eagerly",
+    }, graphs
+
+
+def timing(graphs, trials: int, warmup: int) -> tuple[dict, list[list]]:
+    """(what was timed and how, one row [envelope, block, trial, variant, µs] per replay): each graph replayed
+    `trials` times per envelope, warm and scrubbed, A and B interleaved ABBA."""
+    dev = torch.cuda.current_device()
+    l2 = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    flush = torch.empty(max(FLUSH_FACTOR * l2, 1 << 20), dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        for g in graphs:
+            g.replay()
+    torch.cuda.synchronize()
+    blocks = np.array_split(np.arange(trials), min(BLOCKS, trials))
+    rows = []
+    for env in ENVELOPES:
+        events = []
+        for b, block in enumerate(blocks):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)  # the GPU waits while the host queues the whole block
+            for t in block.tolist():
+                for v in (VARIANTS if t % 2 == 0 else VARIANTS[::-1]):
+                    if env == "scrubbed":
+                        flush.zero_()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graphs[VARIANTS.index(v)].replay()
+                    end.record()  # on the main stream after the graph's join: covers the aux work too
+                    events.append((b, t, v, start, end))
+        torch.cuda.synchronize()
+        rows += [[env, b, t, v, start.elapsed_time(end) * 1e3] for b, t, v, start, end in events]
+        medians = ", ".join(f"{v} median {np.median(samples(rows, env, v)):.2f} us" for v in VARIANTS)
+        print(f"[overlap] {env}: {medians} ({trials} trials each)", flush=True)
+    meta = {"timer": "cuda_events on the main stream around each graph replay", "trials": trials, "warmup": warmup,
+            "blocks": len(blocks), "order": "ABBA (A first on even trials, B first on odd)", "l2_bytes": l2,
+            "flush_bytes": int(flush.numel()),
+            "scrub": f"flush.zero_() of {FLUSH_FACTOR}x L2 before each scrubbed trial"}
+    return meta, rows
+
+
+def samples(rows: list[list], env: str, variant: str) -> list[float]:
+    """One variant's µs in one envelope, in trial order, from timing's rows."""
+    return [r[4] for r in rows if r[0] == env and r[3] == variant]

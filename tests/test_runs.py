@@ -1,0 +1,31 @@
+"""Run identity (workflow/runs.py): one enum, one name, wildcards that parse every name back."""
+
+import re
+
+import pytest
+
+from engine import parallel
+from workflow import runs
+
+
+def test_the_engine_transports_are_the_schemas_expert_parallel_backends():
+    assert runs.EP_BACKENDS == parallel.BACKENDS
+    assert runs.BACKENDS == ("single", *parallel.BACKENDS)
+    assert set(runs.BENCH_BACKENDS) == {*runs.BACKENDS, runs.HF}
+
+
+@pytest.mark.parametrize("backend", runs.BACKENDS)
+@pytest.mark.parametrize("kernels", runs.KERNELS)
+def test_the_wildcards_parse_every_run_name_back(backend, kernels):
+    c = runs.wildcard_constraints(runs.BACKENDS)
+    pattern = re.compile(rf"(?P<backend>{c['backend']})(?P<kernels>{c['kernels']})-b(?P<batch>\d+)")
+    m = pattern.fullmatch(runs.label(backend, kernels, 8))
+    assert m and m["backend"] == backend and runs.kernels_of(m["kernels"]) == kernels and m["batch"] == "8"
+
+
+def test_names():
+    assert runs.run_name("single") == "single"
+    assert runs.run_name("collective", "graph") == "collective-graph"
+    # transformers runs its own path whatever decode path the engine is benchmarked on
+    assert runs.run_name(runs.HF, "graph") == "hf"
+    assert runs.kernels_of("") == "torch" and runs.kernels_of("-triton") == "triton"

@@ -1,0 +1,46 @@
+"""The gates, once: the stage that decides each, the file its verdict is in, the verdicts that fail the run.
+
+Read by the gate stage (which fails a sealed run on them), by seal (the manifest's `gates`) and by the archive.
+The deciding stage tags its verdict `<gate>.verdict` on its stage record, and so in MLflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workflow import gsm8k
+from workflow.verdicts import DEFECTS
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    stage: str  # the campaign's `stages:` entry that decides it
+    file: str  # the evidence file whose top-level `verdict` is the gate's
+    failing: frozenset[str]  # verdicts that fail the run (a document marked `advisory` fails nothing)
+    what: str  # how a message names it
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}.verdict"
+
+
+GATES = (
+    # `parity.require_exact` adds near_tie_divergence (the gate stage)
+    Gate("parity", "parity", "parity/comparison.json", frozenset(DEFECTS), "the parity verdict"),
+    Gate("overlap", "overlap", "overlap/screen.json", frozenset({"bitwise_mismatch"}),
+         "the overlap A/B screen (outputs of A and B differ)"),
+    Gate("audit", "kernel_audit", "kernels/audit.json", frozenset({"spills"}),
+         "the kernel resource audit (register spills)"),
+    # no_claim fails too: nothing comparable happened, so nothing passed
+    Gate("quality", "quality", gsm8k.GATE, frozenset(gsm8k.VERDICTS) - {"pass"}, "the GSM8K quality gate"),
+)
+BY_NAME = {g.name: g for g in GATES}
+PARITY = BY_NAME["parity"]
+
+
+def verdicts(records: list[dict]) -> dict[str, str]:
+    """{gate: verdict} from the stage records' `<gate>.verdict` tags, for the gates whose stage ran."""
+    tags = {k: v for r in records for k, v in r.get("tags", {}).items()}
+    tags.setdefault(PARITY.tag, tags.get("verdict"))  # directories sealed before the tags were named per gate
+    return {g.name: tags[g.tag] for g in GATES if tags.get(g.tag) is not None}

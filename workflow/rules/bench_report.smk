@@ -1,0 +1,20 @@
+# The benchmark table, plot and the comparison against a baseline.
+rule bench_report:
+    input:
+        cells=BENCH,
+    output:
+        csv=f"{E}/bench/summary.csv",
+        plot=f"{E}/plots/bench.png",
+        baseline=f"{E}/bench/baseline.json",
+    resources:
+        **job_resources(),
+    params:
+        py=PY,
+        ev=evidence_dir,
+        baseline="--baseline '{}'".format(config["bench"]["baseline"]) if config["bench"]["baseline"] else "",
+    log:
+        f"{E}/logs/bench_report.log",
+    benchmark:
+        f"{E}/logs/bench_report.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.bench_report --evidence {params.ev} {params.baseline} {input.cells} 2>&1 | tee {log}"

@@ -1,0 +1,18 @@
+# The engine runs against the oracle: the parity verdict, per cell (parity/comparison.json).
+rule compare:
+    input:
+        oracle=rules.oracle.output,
+        runs=PARITY,
+    output:
+        f"{E}/parity/comparison.json",
+    resources:
+        **job_resources(),
+    params:
+        py=PY,
+        ev=evidence_dir,
+    log:
+        f"{E}/logs/compare.log",
+    benchmark:
+        f"{E}/logs/compare.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.compare --evidence {params.ev} {input.runs} 2>&1 | tee {log}"

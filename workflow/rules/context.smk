@@ -1,0 +1,18 @@
+# The campaign's resolved config and the environment it runs in (env.json: devices, packages, versions).
+rule context:
+    output:
+        config=f"{E}/config.yaml",
+        env=f"{E}/env.json",
+    # env.json records the devices the campaign runs on: it holds as many as its largest job
+    resources:
+        **job_resources(gpu=CAMPAIGN_GPUS),
+    params:
+        py=on_gpus(CAMPAIGN_GPUS),
+        ev=evidence_dir,
+        config=CONFIG_JSON,
+    log:
+        f"{E}/logs/context.log",
+    benchmark:
+        f"{E}/logs/context.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"

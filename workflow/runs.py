@@ -1,0 +1,60 @@
+"""What runs, once: a campaign's stages, the engine's backends and decode paths, and the name evidence gives a run.
+
+The enums are the schema's (config/schema.yaml `stages`, `parity.backends`, `bench.backends`, `parity.kernels`), so
+the campaign check, the Snakemake rules and wildcards and the stage CLIs accept the same words. The engine owns its transports
+(`engine.parallel.BACKENDS`); tests/test_runs.py checks that they are the schema's expert-parallel backends. Read
+from YAML, not imported from the engine: validating a campaign must not import torch.
+
+A run is named `<backend><suffix>`: the suffix is empty for the torch decode path, `-triton` or `-graph`
+otherwise (`single`, `single-triton`, `collective-graph`); a batch adds `-b<B>` (`parity/single-triton-b8.json`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
+_PROPERTIES = yaml.safe_load(SCHEMA.read_text())["properties"]
+
+
+def _enum(section: str, key: str) -> tuple[str, ...]:
+    return tuple(_PROPERTIES[section]["properties"][key]["items"]["enum"])
+
+
+STAGES = tuple(_PROPERTIES["stages"]["items"]["enum"])  # those a campaign chooses, in the pipeline's order
+
+BACKENDS = _enum("parity", "backends")  # the engine's: one process, or expert-parallel ranks
+EP_BACKENDS = tuple(b for b in BACKENDS if b != "single")  # torchrun ranks, one device each
+HF = "hf"  # bench only: transformers' own generate, the reference the engine's timings stand beside
+BENCH_BACKENDS = _enum("bench", "backends")
+ONE_PROCESS = ("single", HF)
+KERNELS = _enum("parity", "kernels")  # the engine's decode path: torch ops, the Triton kernels, the CUDA-graph step
+
+
+def suffix(kernels: str) -> str:
+    return "" if kernels == "torch" else f"-{kernels}"
+
+
+def kernels_of(suffix_: str) -> str:
+    """The decode path a run-name suffix stands for (the `kernels` wildcard: "", "-triton", "-graph")."""
+    return suffix_.removeprefix("-") or "torch"
+
+
+def run_name(backend: str, kernels: str = "torch") -> str:
+    """How evidence names one run. `hf` runs transformers' own path whatever the engine's is: no suffix."""
+    return backend if backend == HF else backend + suffix(kernels)
+
+
+def label(backend: str, kernels: str, batch: int) -> str:
+    """One batch size of a run, as its file is named: `<run name>-b<B>`."""
+    return f"{run_name(backend, kernels)}-b{batch}"
+
+
+def wildcard_constraints(backends: tuple[str, ...]) -> dict[str, str]:
+    """The `backend` and `kernels` wildcards of a rule's output `.../{backend}{kernels}-b<B>.json` (a rule
+    without the `kernels` wildcard ignores its constraint)."""
+    return {"backend": "|".join(map(re.escape, backends)),
+            "kernels": "|".join(re.escape(suffix(k)) for k in KERNELS)}
