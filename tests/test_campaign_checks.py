@@ -17,7 +17,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 import handbuilt
-from workflow import checkpoints, estimate
+from workflow import checkpoints, estimate, runs
 from workflow.campaign import evidence_config, models, required_fields, validate_campaign
 from workflow.evidence import MANIFEST, config_hash, sha256_bytes
 
@@ -256,7 +256,8 @@ def test_a_context_too_short_for_any_prompt_is_refused():
 # --- other checks -----------------------------------------------------------------------------------
 
 def test_quality_targets_and_overlap_shapes():
-    msg = rejected({**minimal(), "quality": {"targets": ["hf", "hf"]}, "overlap": {"segments": [8, 8]}})
+    msg = rejected({**minimal(), "quality": {"targets": ["hf", "hf"]},
+                    "overlap": {"K": 64, "segments": [8, 8], "gemm_n": 8}})
     assert "at `quality.targets`: a target name appears twice: ['hf', 'hf']" in msg
     assert "at `overlap.segment_dtypes`: needs one dtype per overlap.segments entry" in msg
 
@@ -274,6 +275,34 @@ def test_a_baseline_that_does_not_exist_is_refused_naming_the_key(tmp_path):
     valid({**minimal(), "bench": {"baseline": str(tmp_path / "evidence/mini/7c0aaaa-c11111111-r1")}})
     assert "at `bench.baseline`: no evidence directory matches" in rejected(
         {**minimal(), "bench": {"baseline": "evidence/other/7c0"}})
+
+
+def test_stages_bring_what_they_need_in_the_pipeline_s_order():
+    assert valid({**minimal(), "stages": ["quality", "parity"]})["stages"] == ["oracle", "parity", "quality"]
+    assert valid(minimal())["stages"] == list(runs.STAGES)  # default: all
+    msg = rejected({**minimal(), "stages": ["qualty"]})
+    assert "invalid campaign config at `stages.0`: 'qualty' is not one of" in msg
+    assert "at `stages`: [] should be non-empty" in rejected({**minimal(), "stages": []})
+    no_cases = {"campaign": "mini", "checkpoint": {"base": "tiny"}}
+    assert "at `<top level>`: 'cases' is a required property: the oracle and parity stages" in rejected(
+        {**no_cases, "stages": ["parity"]})
+    assert "cases" not in valid({**no_cases, "stages": ["quality", "bench"]})
+
+
+def test_the_old_key_nsight_is_read_as_profile_with_a_warning(capsys):
+    cfg = valid({**minimal(), "nsight": {"steps": 2}})
+    assert cfg["profile"]["steps"] == 2 and "nsight" not in cfg
+    assert "campaign key `nsight` is now `profile`" in capsys.readouterr().err
+    assert "at `nsight`: is the old name of `profile`, which is given too" in rejected(
+        {**minimal(), "nsight": {"steps": 2}, "profile": {"steps": 3}})
+
+
+def test_overlap_shapes_are_stated_together():
+    assert "at `overlap`: states K but not all of K, segments and gemm_n" in rejected(
+        {**minimal(), "overlap": {"K": 4096}})
+    # `gate` would name the quality gate's own file (workflow/gsm8k.py RESULT, GATE): the schema refuses it
+    assert "at `quality.targets.1`" in rejected(
+        {**minimal(), "quality": {"targets": ["hf", {"name": "gate", "url": "http://127.0.0.1:1"}]}})
 
 
 # --- through Snakemake: nothing written on a refusal; the minimal campaign runs to a seal ------------
@@ -295,7 +324,8 @@ def snakemake(wd: Path, cfg: dict, *args: str, env: dict | None = None) -> subpr
       "cases": CASES}, "invalid campaign config at `checkpoint`: the model does not fit this machine"),
     ({"campaign": "mini", "checkpont": {"base": "tiny"}},
      "invalid campaign config at `<top level>`: 'checkpont' was unexpected; did you mean 'checkpoint'?\n"
-     "invalid campaign config at `<top level>`: 'cases' is a required property.\n2 errors."),
+     "invalid campaign config at `<top level>`: 'cases' is a required property: the oracle and parity stages "
+     "follow the cases' prompts (a campaign whose `stages` leave both out needs none).\n2 errors."),
     ({**minimal(), "quality": {"gsm8k": {"limit": 64}}},
      "invalid campaign config at `quality.gsm8k.limit`: 64 rows asked, the embedded test data has 8"),
     ({**minimal(), "bench": {"baseline": "7c0"}},
@@ -326,3 +356,25 @@ def test_a_minimal_campaign_runs_to_a_sealed_directory(tmp_path):
     log = next((wd / ".evident/checkpoints").glob("*.log")).read_text()
     assert log.startswith("[checkpoint] estimate: 252,960 parameters; weights 1.0 MB"), log
     assert "[checkpoint] wrote model.safetensors: 1.0 MB of 1.0 MB (100%)" in log
+
+
+@pytest.mark.slow
+def test_a_campaign_runs_only_its_stages(tmp_path):
+    """`stages: [quality]`: no oracle, parity, bench, overlap, audit or profile job; the gates of the stages not run
+    are recorded as not run (never as passed), and SUMMARY.md names those stages."""
+    wd = tmp_path / "wd"
+    cfg = {"campaign": "mini", "checkpoint": {"base": "tiny"}, "stages": ["quality"],  # no cases: no oracle to follow
+           "quality": {"targets": ["hf"], "advisory": True}}
+    r = snakemake(wd, cfg)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ev = next((wd / "evidence/mini").iterdir())
+    manifest = json.loads((ev / MANIFEST).read_text())
+    assert set(manifest["stages"]) == {"context", "checkpoint", "quality"}
+    assert manifest["gates"] == {"quality": "no_claim"} and manifest["verdict"] is None
+    assert not any((ev / d).exists() for d in ("oracle", "parity", "bench", "overlap", "kernels", "profile"))
+    gate = json.loads(next((wd / ".evident/gates/mini").iterdir()).read_text())
+    assert gate["verdicts"] == {"parity": None, "overlap": None, "audit": None, "quality": "no_claim"}
+    assert gate["not_run"] == ["parity", "overlap", "audit"] and gate["advisory"] == ["quality"]
+    summary = (ev / "SUMMARY.md").read_text()
+    assert "Stages not run (the campaign's `stages:`): oracle, parity, bench, overlap, kernel_audit, profile." in summary
+    assert "Parity verdict" not in summary and "### GSM8K quality gate" in summary

@@ -131,6 +131,9 @@ def schema_problems(config: dict, schema: str) -> list[tuple[str, str]]:
             known = list(e.schema.get("properties", {}))
             out += [(where, f"{k!r} was unexpected{did_you_mean(k, known, listing=True)}") for k in e.instance
                     if k not in known]
+        elif list(e.relative_schema_path)[:1] == ["then"]:  # the schema's one conditional: cases for oracle, parity
+            out.append((where, f"{e.message}: the oracle and parity stages follow the cases' prompts (a campaign "
+                               "whose `stages` leave both out needs none)"))
         else:
             out.append((where, e.message))
     model = config.get("checkpoint", {}).get("config") if isinstance(config.get("checkpoint"), dict) else None
@@ -212,7 +215,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
             out.append((where, f"not valid UTF-8 text ({e.reason} at character {e.start})"))
     if out:
         return out
-    out += [(f"cases.{i}.prompt", "the prompt is blank") for i, c in enumerate(config["cases"]) if not c["prompt"].strip()]
+    out += [(f"cases.{i}.prompt", "the prompt is blank") for i, c in enumerate(config.get("cases", [])) if not c["prompt"].strip()]
     if not config["bench"]["prompt"].strip():
         out.append(("bench.prompt", "the prompt is blank"))
     try:
@@ -222,7 +225,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     if context is not None:
         out += [(f"cases.{i}.max_new_tokens", f"{c['max_new_tokens']} new tokens do not fit the model's context of "
                  f"{context} (max_position_embeddings) beside a prompt")
-                for i, c in enumerate(config["cases"]) if c["max_new_tokens"] >= context]
+                for i, c in enumerate(config.get("cases", [])) if c["max_new_tokens"] >= context]
     train = config["checkpoint"].get("train")
     if train and context is not None and train["seq_len"] > context:
         out.append(("checkpoint.train.seq_len", f"{train['seq_len']} tokens a row exceed the model's context of "
@@ -238,8 +241,6 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out.append(("quality.reference", f"{q['reference']!r} is not one of quality.targets {names}"))
     if len(set(names)) < len(names):
         out.append(("quality.targets", f"a target name appears twice: {names}"))
-    if "gate" in names:  # its results file would be the gate's (workflow/gsm8k.py RESULT, GATE)
-        out.append(("quality.targets", "`gate` names the quality gate's own file; give the target another name"))
     o = config["overlap"]
     stated = [k for k in ("K", "segments", "gemm_n") if o[k] is not None]
     if stated and len(stated) < 3:

@@ -329,7 +329,7 @@ def check_prompts(ckpt_dir: str | Path, config: dict) -> None:
 def prompt_problems(tok, context: int, config: dict) -> list[tuple[str, str, str]]:
     """(key, case, what) for each prompt that encodes to nothing or does not fit the context with its new tokens."""
     items = [(f"cases.{i}.prompt", f"cases.{i} ({c['name']})", c["prompt"], c.get("max_new_tokens", 32))
-             for i, c in enumerate(config["cases"])]
+             for i, c in enumerate(config.get("cases", []))]
     bench = config.get("bench") or {}
     if bench.get("prompt"):
         items.append(("bench.prompt", "bench", bench["prompt"], bench.get("new_tokens", 32)))

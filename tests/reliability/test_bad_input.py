@@ -88,9 +88,10 @@ def test_every_error_at_once():
     del cfg["cases"]
     msg = rejected(cfg)
     assert msg.splitlines() == [
-        "invalid campaign config at `<top level>`: 'cases' is a required property.",
         "invalid campaign config at `device`: 'gpu' is not one of ['auto', 'cpu', 'cuda'].",
         "invalid campaign config at `bench`: 'new_tokns' was unexpected; did you mean 'new_tokens'?",
+        "invalid campaign config at `<top level>`: 'cases' is a required property: the oracle and parity stages "
+        "follow the cases' prompts (a campaign whose `stages` leave both out needs none).",
         "3 errors. See config/schema.yaml and the README's key table."], msg
 
 
