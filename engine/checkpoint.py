@@ -26,6 +26,8 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _PACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _ROUTED = re.compile(r"^(?:model\.)?layers\.\d+\.mlp\.experts\.(\d+)\.")  # one routed expert's tensor
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router, fp32 whatever the model's dtype
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -41,6 +43,13 @@ def eos_ids(ckpt_dir: str | os.PathLike) -> list[int]:
             if eos is not None:
                 return eos if isinstance(eos, list) else [eos]
     return []
+
+
+def mtp_tensor(name: str, args: ModelArgs) -> bool:
+    """A tensor of DeepSeek-V3's multi-token-prediction layers, numbered after the model's own: greedy decoding runs
+    without them (as transformers' DeepseekV3ForCausalLM), so they are not read."""
+    m = _LAYER.match(name)
+    return args.num_mtp_layers > 0 and m is not None and int(m.group(1)) >= args.num_hidden_layers
 
 
 class CheckpointError(ValueError):
@@ -153,8 +162,8 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
         m = _ROUTED.match(name)
         return m is not None and int(m.group(1)) not in shard
 
-    tensors, where = read_tensors(ckpt_dir, None if ep is None else elsewhere)
-    sd, src = _to_engine_names(tensors, where, args)
+    tensors, where = read_tensors(ckpt_dir, lambda n: mtp_tensor(n, args) or (ep is not None and elsewhere(n)))
+    sd, src = _to_engine_names({n: t for n, t in tensors.items() if not mtp_tensor(n, args)}, where, args)
     files = ", ".join(sorted(set(where.values()))) or ckpt_dir
     for k in expected:
         if k not in sd:
@@ -173,7 +182,7 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
             del sd[k]
             continue
         # copy=True: fresh, allocator-aligned storage, so numerics do not depend on the file's tensor offsets
-        sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith("mlp.gate.weight") else dtype, copy=True)
+        sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith(FP32) else dtype, copy=True)
     model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

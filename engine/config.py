@@ -1,6 +1,7 @@
-"""Model shape for DeepSeek-V2, read from a Hugging Face ``config.json``.
+"""Model shape of the DeepSeek MLA family (DeepSeek-V2, DeepSeek-V3), read from a Hugging Face ``config.json``.
 
-Field names and defaults follow ``transformers.DeepseekV2Config``.
+Field names and defaults follow ``transformers.DeepseekV2Config``; a ``deepseek_v3`` config brings its own routing
+(``noaux_tc``: sigmoid scores, a correction bias for the choice, group top-k) and ``rope_interleave``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+# DeepSeek-V3 fields whose null in a config.json means their default
+NOT_NULL = {"model_type", "rope_interleave", "num_mtp_layers"}
+# model_type -> the routings (topk_method) it defines, its own first: a config is never read as another family
+ROUTINGS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -56,6 +61,15 @@ class ModelArgs:
     n_group: int | None = None
     topk_group: int | None = None
     norm_topk_prob: bool | None = False
+    # the family, and what DeepSeek-V3 adds
+    model_type: str = "deepseek_v2"
+    rope_interleave: bool = True  # rope on adjacent pairs (x0, x1), as V2; false: on the halves (x_i, x_i+D/2)
+    num_mtp_layers: int = 0  # multi-token-prediction layers a V3 checkpoint may hold: not part of the model run here
+
+    @property
+    def routing(self) -> str:
+        """greedy, group_limited_greedy (V2) or noaux_tc (V3, whose transformers config has no topk_method)."""
+        return "noaux_tc" if self.model_type == "deepseek_v3" else (self.topk_method or "greedy")
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -84,11 +98,23 @@ class ModelArgs:
             scale = scale * m * m
         return scale
 
+    @property
+    def graph_decode_reason(self) -> str | None:
+        """Why the graph decode path (engine/graph_decode.py) cannot run this model, or None: its MLA kernels rotate
+        adjacent pairs (interleaved rope) only."""
+        if not self.rope_interleave:
+            return ("the graph decode path's MLA kernels rotate interleaved rope pairs only; this model has "
+                    "rope_interleave false: use the torch or triton decode path")
+        return None
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
+        if self.model_type not in ROUTINGS:
+            raise NotImplementedError(f"model_type={self.model_type!r} is not supported (supported: "
+                                      f"{', '.join(ROUTINGS)}): its config is not read as another model's")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
         if self.num_key_value_heads not in (None, self.num_attention_heads):
@@ -110,8 +136,27 @@ class ModelArgs:
             if not self.n_routed_experts or self.num_experts_per_tok > self.n_routed_experts:
                 raise ValueError(
                     f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts={self.n_routed_experts}")
-            if self.topk_method != "greedy":
-                raise NotImplementedError(f"topk_method={self.topk_method!r} is not supported (only 'greedy')")
+            self._validate_routing()
+
+    def _validate_routing(self) -> None:
+        if self.model_type == "deepseek_v3" and self.topk_method not in (None, "greedy", "noaux_tc"):
+            # V3's own configs say noaux_tc (or nothing, as transformers writes them); greedy is V2's default here
+            raise NotImplementedError(f"topk_method={self.topk_method!r} with model_type deepseek_v3: only "
+                                      "noaux_tc (sigmoid scores, correction bias, group top-k) is DeepSeek-V3's")
+        if self.routing not in ROUTINGS[self.model_type]:
+            raise NotImplementedError(f"topk_method={self.topk_method!r} is not supported for {self.model_type} "
+                                      f"(supported: {', '.join(ROUTINGS[self.model_type])})")
+        if self.routing == "greedy":
+            return
+        e, g, t = self.n_routed_experts, self.n_group, self.topk_group
+        if not g or not t or e % g or t > g:
+            raise ValueError(f"{self.routing}: n_group={g} must divide n_routed_experts={e} and topk_group={t} "
+                             f"must be in 1..n_group")
+        if self.routing == "noaux_tc" and e // g < 2:
+            raise ValueError(f"noaux_tc ranks groups by their top-2 scores: n_group={g} leaves {e // g} expert(s) a group")
+        if self.num_experts_per_tok > t * (e // g):
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} > the {t * (e // g)} experts of "
+                             f"topk_group={t} groups")
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -123,7 +168,9 @@ class ModelArgs:
         HF ``standardize_rope_params``.
         """
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_parameters"}
-        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs = {k: v for k, v in d.items() if k in names and not (v is None and k in NOT_NULL)}
+        if d.get("num_nextn_predict_layers") is not None:  # DeepSeek's own name for V3's MTP layers
+            kwargs.setdefault("num_mtp_layers", d["num_nextn_predict_layers"])
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rp = dict(rp)
         rp.setdefault("rope_type", rp.get("type", "default"))

@@ -72,6 +72,8 @@ class GraphDecode:
     """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
+        if model.args.graph_decode_reason:
+            raise NotImplementedError(model.args.graph_decode_reason)
         self.model, self.ep = model, model.ep
         if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
             # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The
@@ -83,7 +85,7 @@ class GraphDecode:
         from kernels import mla, moe, norm, route
 
         self.mla, self.moe, self.norm, self.route = mla, moe, norm, route
-        a, w = model.args, model.embed_tokens.weight
+        w = model.embed_tokens.weight
         self.device = w.device
         # a graph holds device work only: the host-staged combine runs eagerly
         self.graphs = torch.cuda.is_available() and w.is_cuda and (self.ep is None or self.ep.backend == "collective")
@@ -93,7 +95,7 @@ class GraphDecode:
             if isinstance(layer.mlp, MoE):
                 self.stacks[i] = _stack_experts(layer.mlp)
                 n_shared = self.stacks[i][0].shape[0] - len(layer.mlp.experts)
-                self.remaps[i] = _remap(layer.mlp, a.n_routed_experts, n_shared, self.ep)
+                self.remaps[i] = _remap(layer.mlp, model.args.n_routed_experts, n_shared, self.ep)
         self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
         if self.ep is not None:
             self.ep.before_close(self.release)
@@ -164,7 +166,9 @@ class GraphDecode:
         w13, w2 = self.stacks[layer]
         n_shared = w13.shape[0] - len(moe.experts)
         ids, weights = self.route.route(x, moe.gate.weight, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
-                                        shared=n_shared, remap=self.remaps[layer])
+                                        shared=n_shared, remap=self.remaps[layer], method=moe.routing,
+                                        n_group=moe.n_group or 1, topk_group=moe.topk_group or 1,
+                                        bias=getattr(moe.gate, "e_score_correction_bias", None))
         if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
             partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
             return self.norm.add_rms_norm(h, partial, after.weight, after.eps)

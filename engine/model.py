@@ -54,10 +54,15 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_factor
 
 
-def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [..., D] by complex freqs_cis broadcastable to [..., D/2]."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+    """Rotate x [..., D] by complex freqs_cis broadcastable to [..., D/2]: adjacent pairs (x0, x1), ... when
+    interleave (DeepSeek-V2; V3's rope_interleave), else the halves (x_i, x_i+D/2) (transformers' rotate_half)."""
+    if interleave:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)
+    half = x.shape[-1] // 2
+    r = torch.complex(x[..., :half].float(), x[..., half:].float()) * freqs_cis
+    return torch.cat([r.real, r.imag], dim=-1).type_as(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +156,7 @@ class Attention(nn.Module):
         self.n_heads, self.nope, self.rope, self.v_dim = (
             a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim)
         self.kv_lora_rank, self.qk_head_dim, self.scale = a.kv_lora_rank, a.qk_head_dim, a.softmax_scale
+        self.rope_interleave = a.rope_interleave
         q_out = a.num_attention_heads * a.qk_head_dim
         if a.q_lora_rank is None:
             self.q_proj = Linear(a.hidden_size, q_out, bias=False)
@@ -179,8 +185,8 @@ class Attention(nn.Module):
         q_nope, q_pe = q.view(B, T, H, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = apply_rope(q_pe, freqs_cis[:, :, None])
-        k_pe = apply_rope(k_pe, freqs_cis)
+        q_pe = apply_rope(q_pe, freqs_cis[:, :, None], self.rope_interleave)
+        k_pe = apply_rope(k_pe, freqs_cis, self.rope_interleave)
 
         cache.write(layer, rows, pos, c_kv, k_pe)
         c_all, pe_all = cache.read(layer, rows, length)  # [B,L,R], [B,L,Dr]
@@ -200,15 +206,20 @@ class Attention(nn.Module):
 
 
 class Gate(nn.Module):
-    """Router weight; kept in fp32 whatever the model dtype (HF _keep_in_fp32_modules_strict)."""
+    """Router weight (and DeepSeek-V3's score correction bias); kept in fp32 whatever the model dtype (HF
+    _keep_in_fp32_modules_strict)."""
 
-    def __init__(self, n_experts: int, dim: int):
+    def __init__(self, n_experts: int, dim: int, correction_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_experts, dim, dtype=torch.float32))
+        if correction_bias:  # added to the scores for the choice of experts only, never to the weights
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
 
 
 class MoE(nn.Module):
-    """Routed experts (greedy top-k) plus shared experts.
+    """Routed experts plus shared experts. Routing (``ModelArgs.routing``): greedy top-k of the softmax (V2-Lite),
+    group-limited greedy (V2: the ``topk_group`` groups with the best expert kept, top-k inside them) or noaux_tc
+    (V3: sigmoid scores, the correction bias added for the choice, the groups ranked by their top-2 sum).
 
     With ``ep`` (expert parallel) only this rank's shard of the routed experts exists (``experts`` is keyed by
     the global expert id, so parameter names stay ``experts.{e}.*``); the router is replicated, the local
@@ -220,7 +231,8 @@ class MoE(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = bool(args.norm_topk_prob)
         self.routed_scaling_factor = args.routed_scaling_factor
-        self.gate = Gate(args.n_routed_experts, args.hidden_size)
+        self.routing, self.n_group, self.topk_group = args.routing, args.n_group, args.topk_group
+        self.gate = Gate(args.n_routed_experts, args.hidden_size, correction_bias=self.routing == "noaux_tc")
         self.ep = ep
         local = range(args.n_routed_experts) if ep is None else ep.experts(args.n_routed_experts)
         self.experts = nn.ModuleDict(
@@ -229,10 +241,28 @@ class MoE(nn.Module):
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * n_shared, args.mlp_bias)
                                if n_shared > 0 else None)
 
+    def _groups_kept(self, scores: torch.Tensor, group_score, fill: float) -> torch.Tensor:
+        """scores [N, E] with every expert outside the topk_group best groups (by group_score) set to fill."""
+        by_group = scores.view(scores.shape[0], self.n_group, -1)
+        kept = torch.topk(group_score(by_group), k=self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, kept, True)
+        return scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], dim=1), fill)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, dim] -> (weights [N, k] fp32, expert indices [N, k]); greedy top-k over fp32 softmax."""
+        """x [N, dim] -> (weights [N, k] fp32, expert indices [N, k]), in fp32 (the router's dtype in transformers)."""
         logits = F.linear(x.float(), self.gate.weight.float())
+        if self.routing == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = self._groups_kept(scores + self.gate.e_score_correction_bias.float(),
+                                       lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
+            idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, idx)
+            if self.norm_topk_prob:  # V3: renormalised, then scaled (transformers' DeepseekV3TopkRouter)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * self.routed_scaling_factor, idx
         scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.routing == "group_limited_greedy":
+            scores = self._groups_kept(scores, lambda g: g.max(dim=-1).values, 0.0)
         weights, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob and self.top_k > 1:
             # DeepSeek reference semantics. NOTE: HF native DeepseekV2 ignores norm_topk_prob (always

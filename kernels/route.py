@@ -5,7 +5,9 @@ The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) again
 descending score order, ties to the lowest index, then shared expert j as id E + j with weight 1.0; ``remap``
 (int64 [E + shared]) maps every id (expert parallelism: -1 for "not on this rank"). No host synchronisation and
 no shape that depends on the data: a call can be captured in a CUDA graph. Inputs a kernel does not admit
-(``route_reason``) take ``route_reference``, the same maths in torch; wrong shapes raise ValueError.
+(``route_reason``) take ``route_reference``, the same maths in torch; wrong shapes raise ValueError. The kernel
+routes greedily; DeepSeek-V2's group-limited routing and DeepSeek-V3's noaux_tc (sigmoid scores, a correction
+bias for the choice, groups ranked by their top-2 sum) take the torch path for now.
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
@@ -104,12 +106,13 @@ def _check(x, gate_weight, top_k, shared, remap):
         raise ValueError(f"expected integer remap [E + shared = {E + shared}], got {tuple(remap.shape)} {remap.dtype}")
 
 
-def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None) -> str | None:
+def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None, method: str = "greedy") -> str | None:
     """Admission predicate: None admits, else why the call takes the torch path. Wrong shapes raise ValueError."""
     _check(x, gate_weight, top_k, shared, remap)
     (B, D), E = x.shape, gate_weight.shape[0]
     tensors = (x, gate_weight) if remap is None else (x, gate_weight, remap)
-    checks = [device_reason(*tensors), dtype_reason("x", x.dtype), dtype_reason("gate_weight", gate_weight.dtype)]
+    checks = [None if method == "greedy" else f"{method} routing runs in torch: the kernel routes greedily",
+              device_reason(*tensors), dtype_reason("x", x.dtype), dtype_reason("gate_weight", gate_weight.dtype)]
     if not (x.is_contiguous() and gate_weight.is_contiguous()):
         checks.append("x and gate_weight must be contiguous")
     if remap is not None and (remap.dtype != torch.int64 or not remap.is_contiguous()):
@@ -123,17 +126,40 @@ def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None) -> str
     return next((c for c in checks if c), None)
 
 
+def _groups_kept(scores: torch.Tensor, n_group: int, topk_group: int, group_score, fill: float) -> torch.Tensor:
+    """scores [B, E] with the experts outside the topk_group best of n_group groups (by group_score) set to fill."""
+    by_group = scores.view(scores.shape[0], n_group, -1)
+    kept = torch.sort(group_score(by_group), dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    mask = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, kept, True)
+    return scores.masked_fill(~mask.repeat_interleave(by_group.shape[-1], dim=1), fill)
+
+
 def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
-                    remap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path: the same maths as route (ties to the lowest index through a stable sort)."""
+                    remap=None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path: the same maths as route (ties to the lowest index through a stable sort), and the group
+    routings: group_limited_greedy (groups by their best softmax score) and noaux_tc (sigmoid scores plus ``bias``
+    for the choice, groups by their top-2 sum; the weights are the unbiased scores, renormalised under
+    norm_topk_prob, then scaled)."""
     _check(x, gate_weight, top_k, shared, remap)
-    scores = F.linear(x.float(), gate_weight.float()).softmax(dim=-1, dtype=torch.float32)
-    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    vals, idx = vals[:, :top_k], idx[:, :top_k]
-    if norm_topk_prob and top_k > 1:
-        weights = vals / (vals.sum(dim=-1, keepdim=True) + 1e-20)
+    logits = F.linear(x.float(), gate_weight.float())
+    if method == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = _groups_kept(scores + bias.float(), n_group, topk_group,
+                              lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
+        idx = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
+        vals = scores.gather(1, idx)
+        weights = (vals / (vals.sum(dim=-1, keepdim=True) + 1e-20) if norm_topk_prob else vals) * scaling
     else:
-        weights = vals * scaling
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if method == "group_limited_greedy":
+            scores = _groups_kept(scores, n_group, topk_group, lambda g: g.max(dim=-1).values, 0.0)
+        vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+        vals, idx = vals[:, :top_k], idx[:, :top_k]
+        if norm_topk_prob and top_k > 1:
+            weights = vals / (vals.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = vals * scaling
     B, E = x.shape[0], gate_weight.shape[0]
     idx = torch.cat([idx, torch.arange(E, E + shared, device=x.device).expand(B, shared)], dim=1)
     weights = torch.cat([weights, torch.ones(B, shared, dtype=torch.float32, device=x.device)], dim=1)
@@ -145,10 +171,12 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 # ---- launches -----------------------------------------------------------------------------------------------
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
-          shared: int = 0, remap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          shared: int = 0, remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1,
+          topk_group: int = 1, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, top_k + shared] int64, weights [B, top_k + shared] fp32) for x [B, D] against gate_weight [E, D]."""
-    if route_reason(x, gate_weight, top_k, shared, remap):
-        return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap)
+    if route_reason(x, gate_weight, top_k, shared, remap, method):
+        return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
+                               topk_group, bias)
     (B, D), E = x.shape, gate_weight.shape[0]
     block_e, block_d = min(BLOCK_E, triton.next_power_of_2(E)), min(BLOCK_D, triton.next_power_of_2(D))
     n_split = triton.cdiv(D, block_d)

@@ -55,9 +55,12 @@ def _here(monkeypatch, tmp_path):
 # --- checkpoint.base and complete configs ---------------------------------------------------------
 
 def test_shipped_models_are_the_campaigns_models():
-    assert models() == ["deepseek-v2-lite", "tiny"]
+    assert models() == ["deepseek-v2-lite", "moonlight-16b-a3b", "tiny"]
     assert yaml.safe_load((REPO / "config/models/tiny.yaml").read_text()) == TINY["checkpoint"]["config"]
     assert yaml.safe_load((REPO / "config/models/deepseek-v2-lite.yaml").read_text()) == LITE
+    # the DeepSeek-V3 architecture at Moonlight-16B-A3B's published shape: 16 B parameters
+    moonlight = yaml.safe_load((REPO / "config/models/moonlight-16b-a3b.yaml").read_text())
+    assert moonlight["model_type"] == "deepseek_v3" and round(estimate.parameters(moonlight) / 1e9, 2) == 15.96
 
 
 def test_a_base_and_the_config_written_out_are_the_same_campaign():
@@ -85,9 +88,9 @@ def test_a_partial_config_without_a_base_is_refused_naming_what_is_missing():
     assert msg.splitlines()[0] == (
         f"invalid campaign config at `checkpoint.config`: missing field(s) {', '.join(missing)}: transformers would "
         "take its defaults for them (here: 5.41 B parameters); give every field, or set checkpoint.base "
-        "(deepseek-v2-lite, tiny) and keep checkpoint.config for the fields that differ."), msg
+        "(deepseek-v2-lite, moonlight-16b-a3b, tiny) and keep checkpoint.config for the fields that differ."), msg
     assert "hidden_size" in missing and "rope_scaling" not in required_fields()  # absent: plain RoPE
-    assert "no model: set checkpoint.base (deepseek-v2-lite, tiny) or give checkpoint.config in full" in rejected(
+    assert "no model: set checkpoint.base (deepseek-v2-lite, moonlight-16b-a3b, tiny) or give checkpoint.config in full" in rejected(
         {"campaign": "mini", "cases": CASES})
 
 
@@ -100,9 +103,9 @@ def test_base_is_for_synthetic_checkpoints_only():
 
 def test_a_misspelt_model_field_gets_the_closest_names():
     msg = rejected(minimal(base="tiny", config={"n_routed_expert": 4, "qk_rope_dim": 8}))
-    assert ("at `checkpoint.config`: unknown DeepSeek-V2 config field 'n_routed_expert'; did you mean "
+    assert ("at `checkpoint.config`: unknown DeepSeek config field 'n_routed_expert'; did you mean "
             "'n_routed_experts'") in msg, msg
-    assert "unknown DeepSeek-V2 config field 'qk_rope_dim'; did you mean 'qk_rope_head_dim' or" in msg, msg
+    assert "unknown DeepSeek config field 'qk_rope_dim'; did you mean 'qk_rope_head_dim' or" in msg, msg
     assert "2 errors." in msg
 
 
@@ -295,6 +298,21 @@ def test_the_old_key_nsight_is_read_as_profile_with_a_warning(capsys):
     assert "campaign key `nsight` is now `profile`" in capsys.readouterr().err
     assert "at `nsight`: is the old name of `profile`, which is given too" in rejected(
         {**minimal(), "nsight": {"steps": 2}, "profile": {"steps": 3}})
+
+
+def test_deepseek_v3_and_group_limited_routing_are_checked_before_any_work():
+    v3 = {"model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1}
+    assert valid({**minimal(base="tiny", config=v3)})["checkpoint"]["config"]["model_type"] == "deepseek_v3"
+    # the graph path's MLA kernels rotate adjacent pairs: refused where a stage would run it, not deep inside it
+    valid({**minimal(base="tiny", config=v3), "parity": {"kernels": ["torch", "graph"]}})
+    halves = {**v3, "rope_interleave": False}
+    msg = rejected({**minimal(base="tiny", config=halves), "parity": {"kernels": ["torch", "graph"]}})
+    assert "at `parity.kernels`: the graph decode path's MLA kernels rotate interleaved rope pairs only" in msg
+    valid({**minimal(base="tiny", config=halves), "stages": ["quality"], "bench": {"kernels": "graph"}})
+    assert "at `checkpoint.config`: group_limited_greedy: n_group=3 must divide n_routed_experts=8" in rejected(
+        minimal(base="tiny", config={"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}))
+    assert "at `checkpoint.config.model_type`: 'llama' is not one of" in rejected(
+        minimal(base="tiny", config={"model_type": "llama"}))
 
 
 def test_overlap_shapes_are_stated_together():

@@ -202,6 +202,34 @@ def test_transformers_loads_synthetic_cleanly(synthetic):
     assert torch.equal(sd["lm_head.weight"], tensors["lm_head.weight"])
 
 
+@pytest.mark.parametrize("family", [
+    {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3},
+    {"model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+     "routed_scaling_factor": 2.5, "rope_interleave": False}], ids=["v2-group-limited", "v3"])
+def test_a_synthetic_checkpoint_of_each_family_is_transformers_own_and_the_engine_s(tiny_config, tmp_path, family):
+    """The writer builds the family's transformers class (V3: its score correction bias is a checkpoint tensor,
+    drawn like the weights); transformers and the engine load it cleanly and agree on the logits."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint import load_model
+    from engine.model import LatentCache
+
+    out = checkpoints.write_synthetic(tmp_path / "f", {**tiny_config, **family}, SEED, INIT_STD, DTYPE)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    v3 = family.get("model_type") == "deepseek_v3"
+    assert type(model).__name__ == ("DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM")
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    names = set(load_file(out / "model.safetensors"))
+    assert ("model.layers.1.mlp.gate.e_score_correction_bias" in names) == v3
+    engine = load_model(out)
+    assert engine.args.routing == ("noaux_tc" if v3 else "group_limited_greedy")
+    ids = torch.tensor([[5, 17, 200, 33, 9, 71, 140, 2, 88]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        got = engine(ids, LatentCache.for_model(engine, max_rows=1, max_len=ids.shape[1]))
+    assert (got - ref).abs().max() < 1e-4
+
+
 # --- describe / verify -------------------------------------------------------------------
 
 

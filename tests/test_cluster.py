@@ -71,6 +71,9 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
         assert j["resources"]["gpu"] == "0" and "gpu_model" not in j["resources"], j
         assert {"cpus_per_task", "mem_mb", "runtime"} <= set(j["resources"]), j
         assert "workflow.gpus" not in j["shell"], j
+        # the CPU runs Triton's interpreter, whose switch Triton reads when torch first imports it
+        if j["rule"] in ("parity", "bench", "overlap", "profile", "quality"):
+            assert "TRITON_INTERPRET=1 " in j["shell"], j
     bench = [j for j in jobs if j["rule"] == "bench"]
     assert {j["resources"]["cpus_per_task"] for j in bench} == {str(os.cpu_count())}  # a timing run: all cores
 
@@ -92,6 +95,7 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
         assert j["resources"].get("gpu_model") == ("h200" if want else None), j
         assert j["resources"]["mem_mb"] == "65536"
         assert (f"-m workflow.gpus {want} -- " in j["shell"]) == bool(want), j
+        assert "TRITON_INTERPRET" not in j["shell"], j
     assert {j["rule"] for j in jobs if j["resources"]["gpu"] == "2"} == {"context", "parity", "bench"}
     # the scheduler's resources are not part of what was measured: the id's config hash is the same without them
     plain = tmp_path / "plain.yaml"

@@ -106,3 +106,15 @@ def test_batched_projections_take_the_few_row_kernel(models):
     wide = torch.randn(skinny.MAX_M + 1, h.shape[1], generator=g, device=g.device)
     assert torch.equal(mlp.down_proj(wide), torch.nn.functional.linear(wide, mlp.down_proj.weight))
     assert attn.pair_kernel(torch.randn(skinny.MAX_M + 1, x.shape[1], generator=g, device=g.device)) is None
+
+
+def test_the_cpu_kernels_refuse_to_run_without_the_interpreter_switch_set_at_start(monkeypatch):
+    """Set inside the process, the switch comes after torch imported Triton: nested kernels then fail deep in
+    Triton. The stage says what to do instead (the rules set it for every CPU stage)."""
+    from workflow import environment
+
+    environment.require_interpreter("x")  # conftest sets it before anything imports torch
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="the engine's triton decode path on a CPU runs Triton's interpreter: set "
+                                           "TRITON_INTERPRET=1 in the environment before Python starts"):
+        environment.require_interpreter("the engine's triton decode path")

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # noqa: E402
+                          DeepseekV3ForCausalLM)
 
 from engine.checkpoint import CheckpointError, load_model  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
@@ -52,16 +53,43 @@ CONFIGS = {
                                        n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=True,
                                        routed_scaling_factor=2.5, rope_parameters=dict(rope_type="default",
                                                                                        rope_theta=500.0)),
+    # group-limited routing keeps topk_group groups: top-k above topk_group, or it picks what greedy picks
+    "v2group-q_direct-e8-g4-t2-k3-yarn4": dict(q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
+                                               n_shared_experts=1, first_k_dense_replace=1,
+                                               topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                               routed_scaling_factor=16.0, max_position_embeddings=128,
+                                               rope_parameters=dict(YARN, factor=4.0,
+                                                                    original_max_position_embeddings=32)),
+    "v3-q_lora-e8-g4-t2-k3-interleave": dict(model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=24, n_routed_experts=8,
+                                             num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+                                             n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                             rope_interleave=True),
+    "v3-q_direct-e16-g4-t1-k3-yarn4-halves": dict(model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=None, n_routed_experts=16,
+                                                  num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=0,
+                                                  n_group=4, topk_group=1, norm_topk_prob=False,
+                                                  routed_scaling_factor=1.0, rope_interleave=False,
+                                                  max_position_embeddings=128,
+                                                  rope_parameters=dict(YARN, factor=4.0,
+                                                                       original_max_position_embeddings=32)),
+    "v3-q_lora-e8-g2-t1-k2-fk2": dict(model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=16, n_routed_experts=8,
+                                      num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=2,
+                                      num_hidden_layers=3, n_group=2, topk_group=1, norm_topk_prob=True,
+                                      routed_scaling_factor=1.5, rope_interleave=True),
 }
+FAMILIES = {"deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+            "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
 PROMPT = [17, 200, 3, 99, 45, 128, 7, 250]
 
 
-def hf_model(overrides: dict, seed: int = 0) -> DeepseekV2ForCausalLM:
+def hf_model(overrides: dict, seed: int = 0):
+    """transformers' own DeepseekV2ForCausalLM, or DeepseekV3ForCausalLM for model_type deepseek_v3."""
     torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**BASE, **overrides})).eval()
-    with torch.no_grad():  # HF zero-inits biases: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
+    overrides = dict(overrides)
+    config_cls, model_cls = FAMILIES[overrides.pop("model_type", "deepseek_v2")]
+    model = model_cls(config_cls(**{**BASE, **overrides})).eval()
+    with torch.no_grad():  # HF zero-inits biases and V3's score correction: make them matter
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "e_score_correction_bias")):
                 p.normal_(0.0, 0.1)
     return model
 
@@ -69,7 +97,8 @@ def hf_model(overrides: dict, seed: int = 0) -> DeepseekV2ForCausalLM:
 def hf_generate(model, prompt: list[int], n: int = N_NEW, eos=None) -> list[int]:
     ids = torch.tensor([prompt])
     gc = copy.deepcopy(model.generation_config)
-    gc.eos_token_id = eos  # None: never stop early (a None kwarg would not override the config's eos 2)
+    # None: never stop early; an id outside the vocabulary, since transformers falls back to the config's eos for None
+    gc.eos_token_id = VOCAB if eos is None else eos
     gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 0, False, n
     # explicit attention_mask: otherwise HF masks any prompt token equal to pad_token_id
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)[0, len(prompt):].tolist()
@@ -319,8 +348,20 @@ def test_v2_lite_rope_and_scale_match_hf():
 def test_config_validation():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelArgs.from_hf({**V2_LITE, "num_experts_per_tok": None})
-    with pytest.raises(NotImplementedError, match="group_limited_greedy"):
-        ModelArgs.from_hf({**V2_LITE, "topk_method": "group_limited_greedy"})
+    # no config is read as another family's, nor a routing as another's
+    with pytest.raises(NotImplementedError, match="model_type='llama' is not supported"):
+        ModelArgs.from_hf({**V2_LITE, "model_type": "llama"})
+    with pytest.raises(NotImplementedError, match="topk_method='noaux_tc' is not supported for deepseek_v2"):
+        ModelArgs.from_hf({**V2_LITE, "topk_method": "noaux_tc"})
+    with pytest.raises(NotImplementedError, match="only noaux_tc"):
+        ModelArgs.from_hf({**V2_LITE, "model_type": "deepseek_v3", "topk_method": "group_limited_greedy"})
+    with pytest.raises(ValueError, match="n_group=3 must divide n_routed_experts=64"):
+        ModelArgs.from_hf({**V2_LITE, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1})
+    with pytest.raises(ValueError, match="num_experts_per_tok=6 > the 4 experts of topk_group=1 groups"):
+        ModelArgs.from_hf({**V2_LITE, "topk_method": "group_limited_greedy", "n_group": 16, "topk_group": 1})
+    v3 = ModelArgs.from_hf({**V2_LITE, "model_type": "deepseek_v3", "n_group": 8, "topk_group": 4,
+                            "num_nextn_predict_layers": 1})
+    assert v3.routing == "noaux_tc" and v3.num_mtp_layers == 1 and v3.rope_interleave
     with pytest.raises(NotImplementedError, match="dynamic"):
         ModelArgs.from_hf({**V2_LITE, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     dense_only = ModelArgs.from_hf({**V2_LITE, "num_experts_per_tok": None, "first_k_dense_replace": 27})
@@ -402,3 +443,26 @@ def test_missing_files(small_hf, tmp_path):
     os.remove(os.path.join(ckpt, "model-00002-of-00002.safetensors"))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
         load_model(ckpt)
+
+
+def test_v3_multi_token_prediction_layers_are_skipped_and_the_router_stays_fp32(tmp_path):
+    """A V3 checkpoint may hold its MTP layers (numbered after the model's own): not read, not run, as transformers
+    runs DeepseekV3ForCausalLM; the same tensors without num_mtp_layers are refused. The score correction bias is
+    fp32 in a bf16 engine, as the router weight is."""
+    hf = hf_model(CONFIGS["v3-q_lora-e8-g4-t2-k3-interleave"])
+    layers = hf.config.num_hidden_layers
+    mtp = {f"model.layers.{layers}.{k[len('model.layers.0.'):]}": v for k, v in hf.state_dict().items()
+           if k.startswith("model.layers.0.")}
+    hf.config.num_mtp_layers = 1
+    ckpt = write_checkpoint(tmp_path / "mtp", hf, {**hf.state_dict(), **mtp}, shards=2)
+    eng = load_model(ckpt)
+    assert eng.args.num_mtp_layers == 1 and len(eng.layers) == layers
+    with torch.no_grad():
+        assert (engine_prefill(eng, PROMPT) - hf(torch.tensor([PROMPT])).logits).abs().max() < TOL
+    hf.config.num_mtp_layers = 0
+    with pytest.raises(CheckpointError, match=f"unexpected tensor 'model.layers.{layers}."):
+        load_model(write_checkpoint(tmp_path / "no-mtp", hf, {**hf.state_dict(), **mtp}))
+    low = load_model(tmp_path / "mtp", dtype=torch.bfloat16)
+    gate = low.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)

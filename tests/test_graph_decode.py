@@ -136,3 +136,18 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
     monkeypatch.setattr(fast.graph_decode, "step", lambda c, t: (calls.append(tuple(t.shape)), real(c, t))[1])
     assert len(profilers.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
     assert calls == [(2,)] * 3
+
+
+@pytest.mark.parametrize("name", ["v2group-q_direct-e8-g4-t2-k3-yarn4", "v3-q_lora-e8-g4-t2-k3-interleave"])
+def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
+    """DeepSeek-V2's group-limited and DeepSeek-V3's noaux_tc routing through the graph step (the router's torch
+    path, kernels/route.py route_reference): transformers' greedy tokens, and every row of a batch alike."""
+    from engine.checkpoint import load_model
+    from test_engine_parity import CONFIGS, hf_model
+
+    hf = hf_model(CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    fast = graph_decode.enable(load_model(tmp_path, device="cuda" if CUDA else "cpu"))
+    want = hf_generate(hf, PROMPT, N_NEW)
+    gen = generate(fast, [PROMPT] * 3, N_NEW)
+    assert gen.tokens == [want] * 3

@@ -53,20 +53,32 @@ class CheckpointInvalid(ValueError):
 
 # --- synthetic ------------------------------------------------------------------------------
 
-def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
-    """Names and shapes from the real transformers model built on the meta device.
+# model_type -> transformers' native class of the family (its config class: the same name, Config for ForCausalLM)
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
-    Packed expert tensors are unpacked to the per-expert names of the original checkpoints.
+
+def hf_classes(model_type: str):
+    """(config class, model class) of transformers for a model_type of ARCHITECTURES."""
+    import transformers
+
+    name = ARCHITECTURES[model_type]
+    return getattr(transformers, name.replace("ForCausalLM", "Config")), getattr(transformers, name)
+
+
+def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from the real transformers model built on the meta device (buffers included: V3's score
+    correction bias is a checkpoint tensor). Packed expert tensors are unpacked to the per-expert names of the
+    original checkpoints.
     """
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
+    config_cls, model_cls = hf_classes(hf_config.get("model_type", "deepseek_v2"))
     try:  # a copy: transformers rewrites the rope dict it is given in place (type -> rope_type)
-        cfg = DeepseekV2Config(**copy.deepcopy(hf_config))
+        cfg = config_cls(**copy.deepcopy(hf_config))
     except (TypeError, ValueError) as e:
-        raise CheckpointInvalid(f"checkpoint.config is not a valid DeepseekV2Config: {e}") from e
+        raise CheckpointInvalid(f"checkpoint.config is not a valid {config_cls.__name__}: {e}") from e
     with torch.device("meta"):
-        model = DeepseekV2ForCausalLM(cfg)
+        model = model_cls(cfg)
     return {name: tuple(t.shape) for name, t in per_expert(model.state_dict(), cfg.tie_word_embeddings).items()}
 
 
@@ -153,7 +165,8 @@ def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
 
 def full_config(hf_config: dict, dtype: str) -> dict:
     """config.json of a checkpoint this module writes: the campaign's fields, the architecture and the dtype."""
-    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **hf_config}
+    model_type = hf_config.get("model_type", "deepseek_v2")
+    cfg = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **hf_config}
     cfg.setdefault("bos_token_id", 0)
     cfg.setdefault("eos_token_id", 1)
     cfg["torch_dtype"] = dtype

@@ -53,3 +53,11 @@ def describe(device: str) -> dict:
     else:
         env["cpu_count"] = os.cpu_count()
     return env
+
+
+def require_interpreter(what: str) -> None:
+    """The Triton kernels on a CPU run through Triton's interpreter, whose switch Triton reads when it is first
+    imported (torch imports it): set in the process, it comes too late and nested kernels fail. The rules set it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{what} on a CPU runs Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
+                           "before Python starts (the Snakemake rules do)")

@@ -90,7 +90,7 @@ def load_engine(ckpt_dir: Path, device: str, dtype: str, ep, kernels: str):
     step when `graph`."""
     model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[dtype], ep=ep)
     if kernels != "torch" and device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        environment.require_interpreter(f"the engine's {kernels} decode path")
     if kernels == "triton":
         decode_kernels.enable(model)
     elif kernels == "graph":

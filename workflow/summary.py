@@ -125,8 +125,10 @@ def parity_headline(root: Path, config: dict) -> list[str]:
     if not (root / "parity/comparison.json").is_file():
         return []
     comparison = read_json(root / "parity/comparison.json")
+    # "transformers.DeepseekV2ForCausalLM (native, eager)" -> DeepseekV2
+    family = read_json(root / "oracle/hf.json")["implementation"].split()[0].split(".")[-1].removesuffix("ForCausalLM")
     return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
-            f"transformers DeepseekV2 oracle, greedy decoding, {len(config['cases'])} cases.", ""]
+            f"transformers {family} oracle, greedy decoding, {len(config['cases'])} cases.", ""]
 
 
 def oracle_section(root: Path, config: dict) -> list[str]:

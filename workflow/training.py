@@ -1,5 +1,5 @@
 """Trained checkpoints (`checkpoint.source: trained`): the synthetic checkpoint of the same seed, trained with
-transformers' own DeepseekV2ForCausalLM on the arithmetic word problems of workflow/arithmetic.py (train split
+transformers' own model of the family (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM: checkpoints.hf_classes) on the arithmetic word problems of workflow/arithmetic.py (train split
 only), written as the synthetic writer writes: per-expert names, name order, the same shards and tokenizer.
 
 Rows are `seq_len` tokens: BOS, then `Question: … Answer: … #### N` pairs back to back, the GSM8K shot format.
@@ -77,14 +77,14 @@ def train(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtyp
           device: str = "cpu", progress: Callable[[str], None] | None = None) -> Path:
     """Train `spec["steps"]` steps from the synthetic init of `seed` and write the checkpoint to out_dir."""
     import torch
-    from transformers import DeepseekV2ForCausalLM
 
     say = progress or (lambda line: None)
     deterministic(device, spec["threads"])
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="evident-init-") as tmp:
         checkpoints.write_synthetic(tmp, hf_config, seed, init_std, "float32", init_device=device)
-        model = DeepseekV2ForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
+        _, model_cls = checkpoints.hf_classes(hf_config.get("model_type", "deepseek_v2"))
+        model = model_cls.from_pretrained(tmp, dtype=torch.float32).to(device)
     cfg = checkpoints.full_config(hf_config, dtype)
     tok, _, _ = checkpoints.build_tokenizer(cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
     model.train()

@@ -53,7 +53,7 @@ def test_the_default_campaign_is_valid():
     ("checkpoint.config.num_experts_per_tok", 9, "checkpoint.config", "num_experts_per_tok=9 must be <= n_routed_experts=8"),
     ("bench.new_tokens", "16", "bench.new_tokens", "'16' is not of type 'integer'"),
     ("checkpoint.config.num_hiden_layers", 2, "checkpoint.config",
-     "unknown DeepSeek-V2 config field 'num_hiden_layers'; did you mean 'num_hidden_layers'?"),
+     "unknown DeepSeek config field 'num_hiden_layers'; did you mean 'num_hidden_layers' or 'num_mtp_layers'?"),
     ("campaign", "a/b", "campaign", "does not match"),
     ("campaign", "..", "campaign", "does not match"),
     ("campaign", "../escape", "campaign", "does not match"),

@@ -152,8 +152,11 @@ def engine_gpus(wildcards):
 
 
 def on_gpus(n):
-    """The interpreter a stage runs in, through workflow.gpus when it holds n GPUs."""
-    return f"{PY} -m workflow.gpus {n} -- {PY}" if USES_GPU and n else PY
+    """The interpreter a stage runs in, through workflow.gpus when it holds n GPUs. A CPU campaign's stages run the
+    Triton kernels through Triton's interpreter, whose switch must be set before Python starts."""
+    if not USES_GPU:
+        return f"TRITON_INTERPRET=1 {PY}"
+    return f"{PY} -m workflow.gpus {n} -- {PY}" if n else PY
 
 
 def job_resources(gpu=0):

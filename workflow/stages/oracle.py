@@ -1,4 +1,5 @@
-"""Stage `oracle`: greedy generation with the real transformers DeepseekV2 (no remote code).
+"""Stage `oracle`: greedy generation with transformers' own model of the checkpoint (DeepseekV2, DeepseekV3; no
+remote code).
 
 Writes oracle/hf.json: per case the prompt ids, generated ids, decoded text, their hashes and
 the top-1/top-2 logit margin at every step, which decides later whether a divergence is a near-tie.
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             import transformers
 
             st.write_json("oracle/hf.json", {
-                "implementation": "transformers.DeepseekV2ForCausalLM (native, eager)",
+                "implementation": f"transformers.{type(model).__name__} (native, eager)",
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                 "dtype": config["dtype"],
                 "device": device,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 
 from kernels.overlap import BLOCKS, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, Problem, bitwise, samples, timing
 from workflow import benchstats, checkpoints
-from workflow.environment import resolve_device
+from workflow.environment import require_interpreter, resolve_device
 from workflow.evidence import Stage, read_config, write_bytes, write_text
 
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
@@ -147,12 +146,9 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
 # --- the stage -------------------------------------------------------------------------------
 
 def _kernels(device: str):
-    """Import the kernels after the device is known: the interpreter switch is read at decoration time."""
+    """The kernels, once the device is known (on a CPU through the interpreter)."""
     if device == "cpu":
-        if "kernels.gemv" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("kernels.gemv was imported before TRITON_INTERPRET=1 was set; run the CPU screen "
-                               "in a fresh process")
-        os.environ["TRITON_INTERPRET"] = "1"
+        require_interpreter("the overlap screen")
     import kernels.gemv as gemv
 
     return gemv

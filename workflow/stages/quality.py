@@ -1,6 +1,6 @@
 """Stage `quality`: GSM8K (its first `quality.gsm8k.limit` rows) on each target, then the quality gate of every candidate against the reference.
 
-Targets (`quality.targets`): `hf` (transformers DeepseekV2, in process, as the oracle loads it), `engine`
+Targets (`quality.targets`): `hf` (transformers' own model, in process, as the oracle loads it), `engine`
 (this project's engine behind its OpenAI-compatible endpoint, `python -m engine.serve`, started here on a
 free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log) and
 `{name, url}` (any OpenAI-compatible `/v1/completions` endpoint). Same data, same contract for all
@@ -70,7 +70,7 @@ def run_hf(ckpt: Path, items: list[dict], cfg: dict, dtype: str, device: str, lo
         text = tok.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False)
         out.append(gsm8k.truncate(text, list(cfg["stop"])))
         log(f"hf {i}/{len(items)}")
-    return out, {"implementation": "transformers.DeepseekV2ForCausalLM (native, eager), in process",
+    return out, {"implementation": f"transformers.{type(model).__name__} (native, eager), in process",
                  "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
