@@ -52,6 +52,16 @@ def mtp_tensor(name: str, args: ModelArgs) -> bool:
     return args.num_mtp_layers > 0 and m is not None and int(m.group(1)) >= args.num_hidden_layers
 
 
+def mtp_tensors(ckpt_dir: str | os.PathLike) -> list[str]:
+    """The names of a checkpoint's multi-token-prediction tensors (from its index or file headers, no data read)."""
+    args = ModelArgs.load(ckpt_dir)
+    names = [n for promised in _shard_map(os.fspath(ckpt_dir)).values() for n in promised or []]
+    if not os.path.isfile(os.path.join(ckpt_dir, INDEX)):
+        with safe_open(os.path.join(ckpt_dir, SINGLE), framework="pt") as f:
+            names = list(f.keys())
+    return sorted(n for n in names if mtp_tensor(n, args))
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable or does not match the model; the message names the file/tensor."""
 

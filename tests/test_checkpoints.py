@@ -230,6 +230,36 @@ def test_a_synthetic_checkpoint_of_each_family_is_transformers_own_and_the_engin
     assert (got - ref).abs().max() < 1e-4
 
 
+def test_mtp_layers_in_a_v3_checkpoint_are_named_and_neither_side_reads_them(tiny_config, tmp_path):
+    """A V3 checkpoint holding its multi-token-prediction layers (numbered after the model's own): the record names
+    them (engine.checkpoint.mtp_tensors), and the oracle's loader (workflow/hf.py) and the engine load the model
+    without them, with the same logits as the checkpoint without them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.checkpoint import load_model, mtp_tensors
+    from workflow import hf
+
+    v3 = {**tiny_config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1}
+    out = checkpoints.write_synthetic(tmp_path / "v3", v3, SEED, INIT_STD, DTYPE)
+    ids = torch.tensor([[5, 17, 200, 33, 9]])
+    _, plain = hf.load(out, "float32", "cpu")
+    tensors = load_file(out / "model.safetensors")
+    layers = v3["num_hidden_layers"]
+    mtp = {k.replace("model.layers.1.", f"model.layers.{layers}.", 1): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    save_file({**tensors, **mtp}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert mtp_tensors(out) == []  # without num_mtp_layers they are no MTP layers: the engine refuses them
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_mtp_layers": 1}))
+    assert mtp_tensors(out) == sorted(mtp)
+    _, loaded = hf.load(out, "float32", "cpu")
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, plain(ids).logits)
+        assert len(load_model(out).layers) == layers
+
+
 # --- describe / verify -------------------------------------------------------------------
 
 

@@ -466,3 +466,4 @@ def test_v3_multi_token_prediction_layers_are_skipped_and_the_router_stays_fp32(
     gate = low.layers[1].mlp.gate
     assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
     assert torch.equal(gate.e_score_correction_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.checkpoint import CheckpointError, mtp_tensors
 from workflow import checkpoints, environment, estimate, training
 from workflow.evidence import Stage, read_config, read_json
 
@@ -46,6 +47,10 @@ def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
     say(f"ready in {time.perf_counter() - t0:.1f}s")
 
 
+MTP_SKIP = ("DeepSeek-V3's multi-token-prediction layers (num_mtp_layers): greedy decoding runs without them, as "
+            "transformers' DeepseekV3ForCausalLM does; neither the engine nor the oracle reads them")
+
+
 def record(ckpt_dir: Path, evidence: Path) -> None:
     config = read_config(evidence / "config.yaml")
     spec = config["checkpoint"]
@@ -61,6 +66,12 @@ def record(ckpt_dir: Path, evidence: Path) -> None:
         }
         if spec["source"] == "trained":  # what it was trained on and the loss it reached, beside the hashes
             rec["trained"] = read_json(ckpt_dir / "evident_trained.json")
+        try:
+            skipped = mtp_tensors(ckpt_dir)
+        except (CheckpointError, NotImplementedError, ValueError) as e:  # a config the engine cannot read
+            raise checkpoints.CheckpointInvalid(f"{ckpt_dir}: {e}") from e
+        if skipped:  # in the files, never run: the evidence says so
+            rec["skipped"] = {"tensors": len(skipped), "first": skipped[0], "why": MTP_SKIP}
         st.write_json("checkpoint.json", rec)
         st.metrics["bytes"] = sum(f["size"] for f in files.values())
         print(f"[checkpoint] {len(files)} files, {st.metrics['bytes'] / 1e6:.1f} MB verified", flush=True)
