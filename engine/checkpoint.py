@@ -53,13 +53,9 @@ def mtp_tensor(name: str, args: ModelArgs) -> bool:
 
 
 def mtp_tensors(ckpt_dir: str | os.PathLike) -> list[str]:
-    """The names of a checkpoint's multi-token-prediction tensors (from its index or file headers, no data read)."""
+    """The names of a checkpoint's multi-token-prediction tensors (from the file headers: no tensor data is read)."""
     args = ModelArgs.load(ckpt_dir)
-    names = [n for promised in _shard_map(os.fspath(ckpt_dir)).values() for n in promised or []]
-    if not os.path.isfile(os.path.join(ckpt_dir, INDEX)):
-        with safe_open(os.path.join(ckpt_dir, SINGLE), framework="pt") as f:
-            names = list(f.keys())
-    return sorted(n for n in names if mtp_tensor(n, args))
+    return sorted(n for n in read_tensors(os.fspath(ckpt_dir), skip=lambda name: True)[0] if mtp_tensor(n, args))
 
 
 class CheckpointError(ValueError):

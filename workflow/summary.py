@@ -83,10 +83,13 @@ def render(evidence_dir: str | Path, git: dict) -> str:
     commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted source diff {git['dirty'][:8]}" if git.get("dirty") else "")
     device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
     skipped = [s for s in STAGES if s not in config["stages"]]
+    # the oracle's and the comparison's documents, each read once (absent when the campaign runs neither)
+    oracle, comparison = (read_json(root / rel) if (root / rel).is_file() else None
+                          for rel in ("oracle/hf.json", "parity/comparison.json"))
     out = [
         f"## Evidence: `{config['campaign']}` / `{root.name}`",
         "",
-        *parity_headline(root, config),
+        *parity_headline(oracle, comparison, config),
         *([f"Stages not run (the campaign's `stages:`): {', '.join(skipped)}.", ""] if skipped else []),
         markdown(["what", "value"], [
             ["commit", f"`{commit}`"],
@@ -99,7 +102,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         ] + [[f"`{name}`", f"sha256 `{f['sha256'][:16]}…`, {f['size']:,} B"]
              for name, f in ckpt["files"].items() if name.endswith(".safetensors")]),
         "",
-        *oracle_section(root, config),
+        *oracle_section(oracle, comparison, config),
         *bench_section(root),
         *overlap_section(root),
         *audit_section(root),
@@ -107,7 +110,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         *profile_section(root),
         "### Claim boundary",
         "",
-        *parity_claims(root, config, env, ckpt),
+        *parity_claims(oracle, comparison, config, env, ckpt),
         ("- Does not show: quality on trained weights (the checkpoint is random: synthetic weights)"
          if ckpt["source"] == checkpoints.RANDOM else
          "- Does not show: quality beyond the generated arithmetic problems the model was trained for"
@@ -121,21 +124,19 @@ def render(evidence_dir: str | Path, git: dict) -> str:
     return "\n".join(out)
 
 
-def parity_headline(root: Path, config: dict) -> list[str]:
-    if not (root / "parity/comparison.json").is_file():
+def parity_headline(oracle: dict | None, comparison: dict | None, config: dict) -> list[str]:
+    if comparison is None:
         return []
-    comparison = read_json(root / "parity/comparison.json")
     # "transformers.DeepseekV2ForCausalLM (native, eager)" -> DeepseekV2
-    family = read_json(root / "oracle/hf.json")["implementation"].split()[0].split(".")[-1].removesuffix("ForCausalLM")
+    family = oracle["implementation"].split()[0].split(".")[-1].removesuffix("ForCausalLM")
     return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
             f"transformers {family} oracle, greedy decoding, {len(config['cases'])} cases.", ""]
 
 
-def oracle_section(root: Path, config: dict) -> list[str]:
+def oracle_section(oracle: dict | None, comparison: dict | None, config: dict) -> list[str]:
     """The oracle's traces, then the parity table (oracle/hf.json, parity/comparison.json)."""
-    if not (root / "oracle/hf.json").is_file():
+    if oracle is None:
         return []
-    oracle = read_json(root / "oracle/hf.json")
     out = [
         "### Oracle traces",
         "",
@@ -146,16 +147,15 @@ def oracle_section(root: Path, config: dict) -> list[str]:
         ]),
         "",
     ]
-    if (root / "parity/comparison.json").is_file():
-        out += parity_section(read_json(root / "parity/comparison.json"), config["dtype"], oracle["reference"]["top_k"])
+    if comparison is not None:
+        out += parity_section(comparison, config["dtype"], oracle["reference"]["top_k"])
     return out
 
 
-def parity_claims(root: Path, config: dict, env: dict, ckpt: dict) -> list[str]:
-    if not (root / "parity/comparison.json").is_file():
+def parity_claims(oracle: dict | None, comparison: dict | None, config: dict, env: dict, ckpt: dict) -> list[str]:
+    if comparison is None:
         return []
-    comparison = read_json(root / "parity/comparison.json")
-    top_k = read_json(root / "oracle/hf.json")["reference"]["top_k"]
+    top_k = oracle["reference"]["top_k"]
     return [
         f"- Shows: on this commit, config and checkpoint, the engine's greedy tokens and decoded text "
         f"{'equal' if comparison['verdict'] == 'all_token_text_exact' else 'compare as above with'} the transformers "
