@@ -1,13 +1,16 @@
-"""route: the MoE router of the decode step (gate logits, softmax, top-k, weights, shared slots) in two launches.
+"""route: the MoE router of the decode step (gate logits, scores, top-k, weights, shared slots) in two launches.
 
 The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) against gate_weight [E, D]
 (E <= MAX_E), fp16/bf16/fp32. Returns ids [B, top_k + shared] int64 and weights fp32: the top_k experts in
-descending score order, ties to the lowest index, then shared expert j as id E + j with weight 1.0; ``remap``
-(int64 [E + shared]) maps every id (expert parallelism: -1 for "not on this rank"). No host synchronisation and
-no shape that depends on the data: a call can be captured in a CUDA graph. Inputs a kernel does not admit
-(``route_reason``) take ``route_reference``, the same maths in torch; wrong shapes raise ValueError. The kernel
-routes greedily; DeepSeek-V2's group-limited routing and DeepSeek-V3's noaux_tc (sigmoid scores, a correction
-bias for the choice, groups ranked by their top-2 sum) take the torch path for now.
+descending order of the choice (the score; noaux_tc: score + bias), ties to the lowest index, then shared expert
+j as id E + j with weight 1.0; ``remap`` (int64 [E + shared]) maps every id (expert parallelism: -1 for "not on
+this rank"). No host synchronisation and no shape that depends on the data: a call can be captured in a CUDA
+graph. Inputs a kernel does not admit (``route_reason``) take ``route_reference``, the same maths in torch; wrong
+shapes raise ValueError. The kernel routes all three ways (``method``): greedy top-k of the softmax
+(DeepSeek-V2-Lite), DeepSeek-V2's group_limited_greedy (the topk_group of n_group contiguous groups with the best
+score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a correction bias for the choice,
+groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
+the lowest index.
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ from ._admit import device_reason, dtype_reason
 MAX_B = 16  # rows a call (moe.MAX_B: the routed experts' kernel takes the same batches)
 MAX_E = 1024  # one select program holds a row's scores in registers
 MAX_SLOTS = 64  # top_k + shared: the top-k loop is unrolled
+MAX_GROUPS = 32  # n_group of the group routings: the loops over groups are unrolled
+METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # the kernel's METHOD, by index
 # The logits tiles: BLOCK_E gate rows by BLOCK_D columns, one warp (gemv.py's finding for weight streaming on an
 # H200); at Lite (E=64, D=2048) a grid of 16 x 8 = 128 programs, 4 KB of weight each. Untuned. The tile shapes
 # the sums, so it is a module constant, never chosen per batch.
@@ -48,10 +53,12 @@ def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
-def _select_kernel(part, remap, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                   S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, BLOCK_E: tl.constexpr,
+def _select_kernel(part, remap, bias, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
+                   S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_E: tl.constexpr,
                    SLOTS: tl.constexpr, PDL: tl.constexpr):
-    """Row b: logits from the partials, softmax, the top K, their weights, S shared slots, the remap."""
+    """Row b: logits from the partials, the scores (softmax; noaux_tc: sigmoid, plus the bias for the choice), the
+    group restriction (METHOD 1 and 2), the top K by the choice, their weights, S shared slots, the remap."""
     pdl.wait(PDL)
     b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -60,25 +67,56 @@ def _select_kernel(part, remap, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: 
     for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch
         logits += tl.load(part + (j * B + b) * E + e, mask=live, other=0.0)
     logits = tl.where(live, logits, float("-inf"))
-    p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the padding lanes
-    scores = tl.math.div_rn(p, tl.zeros_like(p) + tl.sum(p, axis=0))
-    # what is left to pick: scores are >= 0, so -1 marks padding and -2 a picked expert; NaN comes first (as
-    # torch.topk), which also keeps every id in range
-    work = tl.where(live, scores, -1.0)
-    work = tl.where(work != work, float("inf"), work)
+    if METHOD == 2:  # noaux_tc: sigmoid scores; the bias steers the choice only
+        scores = tl.math.div_rn(tl.zeros_like(logits) + 1.0, 1.0 + tl.exp(-logits))
+        choice = scores + tl.load(bias + e, mask=live, other=0.0)
+    else:
+        p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the padding lanes
+        scores = tl.math.div_rn(p, tl.zeros_like(p) + tl.sum(p, axis=0))
+        choice = scores
+    # NaN ranks first (as in a descending sort, and torch.topk): it counts as +inf, for groups and experts alike
+    choice = tl.where(choice != choice, float("inf"), choice)
+    if METHOD != 0:  # keep the TOPK_GROUP best of N_GROUP contiguous groups, ties to the lowest group
+        grp = e // (E // N_GROUP)  # N_GROUP and above on the padding lanes
+        g = tl.arange(0, GROUPS)
+        gval = tl.zeros([GROUPS], dtype=tl.float32)
+        for i in tl.static_range(N_GROUP):
+            mine = grp == i
+            top = tl.max(tl.where(mine, choice, float("-inf")), axis=0)
+            if METHOD == 2:  # plus the second largest: the largest of the rest once the (lowest) first is out
+                first = tl.min(tl.where(mine & (choice == top), e, BLOCK_E), axis=0)
+                top += tl.max(tl.where(mine & (e != first), choice, float("-inf")), axis=0)
+            gval = tl.where(g == i, top, gval)
+        gval = tl.where(gval != gval, float("inf"), gval)  # inf + -inf
+        gfree = g < N_GROUP
+        keep = e < 0
+        for i in tl.static_range(TOPK_GROUP):
+            top = tl.max(tl.where(gfree, gval, float("-inf")), axis=0)
+            at = tl.min(tl.where(gfree & (gval == top), g, GROUPS), axis=0)
+            keep = keep | (grp == at)
+            gfree = gfree & (g != at)
+        if METHOD == 1:  # the others score 0, as in the torch path (a kept expert's 0 ties with them)
+            scores = tl.where(keep, scores, 0.0)
+            choice = tl.where(keep, choice, 0.0)
+        else:
+            choice = tl.where(keep, choice, float("-inf"))
+    # the top K by iterative argmax over the lanes still free (the padding never is), lowest index among equals
+    free = live
     slot = tl.arange(0, SLOTS)
     vals = tl.zeros([SLOTS], dtype=tl.float32)
     pick = tl.zeros([SLOTS], dtype=tl.int32)
     for i in tl.static_range(K):
-        top = tl.max(work, axis=0)
-        at = tl.min(tl.where(work == top, e, BLOCK_E), axis=0)  # the lowest index among equal scores
+        top = tl.max(tl.where(free, choice, float("-inf")), axis=0)
+        at = tl.min(tl.where(free & (choice == top), e, BLOCK_E), axis=0)
         vals = tl.where(slot == i, tl.sum(tl.where(e == at, scores, 0.0), axis=0), vals)
         pick = tl.where(slot == i, at, pick)
-        work = tl.where(e == at, -2.0, work)
+        free = free & (e != at)
     routed = slot < K
     if NORM:
         total = tl.sum(tl.where(routed, vals, 0.0), axis=0) + 1e-20
         weight = tl.math.div_rn(vals, tl.zeros_like(vals) + total)
+        if METHOD == 2:  # noaux_tc scales the normalised weights too
+            weight = weight * scaling
     else:
         weight = vals * scaling
     weight = tl.where(routed, weight, 1.0)  # the shared experts' slots
@@ -92,7 +130,7 @@ def _select_kernel(part, remap, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: 
 
 # ---- shapes (errors), admission (fallbacks) and the torch path ---------------------------------------------
 
-def _check(x, gate_weight, top_k, shared, remap):
+def _check(x, gate_weight, top_k, shared, remap, method="greedy", n_group=1, topk_group=1, bias=None):
     if x.dim() != 2 or gate_weight.dim() != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"expected x [B, D] and gate_weight [E, D], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -104,19 +142,38 @@ def _check(x, gate_weight, top_k, shared, remap):
     if remap is not None and (tuple(remap.shape) != (E + shared,) or remap.dtype.is_floating_point
                               or remap.dtype.is_complex or remap.dtype == torch.bool):
         raise ValueError(f"expected integer remap [E + shared = {E + shared}], got {tuple(remap.shape)} {remap.dtype}")
+    if method not in METHODS:
+        raise ValueError(f"unknown routing method {method!r}, expected one of {METHODS}")
+    if method == "greedy":
+        return
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group={n_group} does not divide E={E}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} outside 1..n_group={n_group}")
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k={top_k} above the {topk_group * (E // n_group)} experts of {topk_group} groups")
+    if method == "noaux_tc" and (bias is None or tuple(bias.shape) != (E,)):
+        raise ValueError(f"noaux_tc needs a bias [E={E}], got {None if bias is None else tuple(bias.shape)}")
+    if method == "noaux_tc" and E // n_group < 2:
+        raise ValueError(f"noaux_tc ranks groups by their top 2: groups of {E // n_group} expert")
 
 
-def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None, method: str = "greedy") -> str | None:
+def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None, method: str = "greedy", n_group: int = 1,
+                 topk_group: int = 1, bias: torch.Tensor | None = None) -> str | None:
     """Admission predicate: None admits, else why the call takes the torch path. Wrong shapes raise ValueError."""
-    _check(x, gate_weight, top_k, shared, remap)
+    _check(x, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias)
     (B, D), E = x.shape, gate_weight.shape[0]
-    tensors = (x, gate_weight) if remap is None else (x, gate_weight, remap)
-    checks = [None if method == "greedy" else f"{method} routing runs in torch: the kernel routes greedily",
-              device_reason(*tensors), dtype_reason("x", x.dtype), dtype_reason("gate_weight", gate_weight.dtype)]
+    bias = bias if method == "noaux_tc" else None
+    tensors = tuple(t for t in (x, gate_weight, remap, bias) if t is not None)
+    checks = [device_reason(*tensors), dtype_reason("x", x.dtype), dtype_reason("gate_weight", gate_weight.dtype)]
     if not (x.is_contiguous() and gate_weight.is_contiguous()):
         checks.append("x and gate_weight must be contiguous")
     if remap is not None and (remap.dtype != torch.int64 or not remap.is_contiguous()):
         checks.append(f"remap must be contiguous int64, got {remap.dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        checks.append(f"bias must be contiguous fp32, got {bias.dtype}")
+    if method != "greedy" and n_group > MAX_GROUPS:
+        checks.append(f"n_group={n_group} above {MAX_GROUPS}")
     if not 1 <= B <= MAX_B:
         checks.append(f"B={B} outside 1..{MAX_B}")
     if E > MAX_E or top_k + shared > MAX_SLOTS:
@@ -141,11 +198,11 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
     routings: group_limited_greedy (groups by their best softmax score) and noaux_tc (sigmoid scores plus ``bias``
     for the choice, groups by their top-2 sum; the weights are the unbiased scores, renormalised under
     norm_topk_prob, then scaled)."""
-    _check(x, gate_weight, top_k, shared, remap)
+    _check(x, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias)
     logits = F.linear(x.float(), gate_weight.float())
     if method == "noaux_tc":
         scores = logits.sigmoid()
-        choice = _groups_kept(scores + bias.float(), n_group, topk_group,
+        choice = _groups_kept(scores + bias.to(scores.device, torch.float32), n_group, topk_group,
                               lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
         idx = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
         vals = scores.gather(1, idx)
@@ -174,7 +231,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
           shared: int = 0, remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1,
           topk_group: int = 1, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, top_k + shared] int64, weights [B, top_k + shared] fp32) for x [B, D] against gate_weight [E, D]."""
-    if route_reason(x, gate_weight, top_k, shared, remap, method):
+    if route_reason(x, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias):
         return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
                                topk_group, bias)
     (B, D), E = x.shape, gate_weight.shape[0]
@@ -186,9 +243,13 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     slots = top_k + shared
     ids = torch.empty(B, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(B, slots, dtype=torch.float32, device=x.device)
-    e_pad = triton.next_power_of_2(E)
-    _select_kernel[(B,)](part, ids if remap is None else remap, ids, weights, B, float(scaling), N_SPLIT=n_split, E=E,
-                         K=top_k, S=shared, NORM=bool(norm_topk_prob) and top_k > 1, REMAP=remap is not None,
+    e_pad, kind = triton.next_power_of_2(E), METHODS.index(method)
+    if kind == 0:
+        n_group = topk_group = 1  # unused: one compiled variant
+    _select_kernel[(B,)](part, ids if remap is None else remap, bias if kind == 2 else part, ids, weights, B,
+                         float(scaling), N_SPLIT=n_split, E=E, K=top_k, S=shared,
+                         NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,
+                         N_GROUP=n_group, TOPK_GROUP=topk_group, GROUPS=triton.next_power_of_2(n_group),
                          BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4,
                          **pdl.flags(x.device))
     return ids, weights

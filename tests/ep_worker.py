@@ -2,8 +2,11 @@
 
 Launched as ``torchrun --nproc_per_node N tests/ep_worker.py SPEC.json``. Every rank runs every backend in
 lockstep and writes ``<out>/rank<R>.pt`` (torch.save of plain lists/dicts/tensors) for the test to assert on.
-Each backend also decodes the prompts as one batch through the graph decode step. SPEC keys: ckpt, packed_ckpt, odd_ckpt (expert count not divisible by the world size), prompts, n_new, batches,
-out, and optionally device (default cpu; cuda runs NCCL plus a gloo group for host staging).
+Each backend also decodes the prompts as one batch through the graph decode step. SPEC keys: ckpt, packed_ckpt,
+odd_ckpt (expert count not divisible by the world size), prompts, n_new, batches, out, optionally device (default
+cpu; cuda runs NCCL plus a gloo group for host staging) and group: checkpoints of the group routings (DeepSeek-V2's
+group_limited_greedy, DeepSeek-V3's noaux_tc) under "ckpts" with their own prompt, n_new and batch, each generated
+on the torch path at B=1 and at that batch, then through the graph step at that batch.
 """
 from __future__ import annotations
 
@@ -42,6 +45,21 @@ def shard_facts(model) -> dict:
     }
 
 
+def group_routing(path: str, g: dict, ep) -> dict:
+    """A group-routing checkpoint under expert parallelism: torch path at B=1 (tokens, sequence logits) and at
+    g["batch"], then the graph step at g["batch"]."""
+    model = load_model(path, device=ep.device, ep=ep)
+    prompt, n_new, b = g["prompt"], g["n_new"], g["batch"]
+    one = generate(model, [prompt], n_new)
+    out = {"experts": shard_facts(model)["experts"], "tokens": one.tokens[0], "margins": one.margins[0],
+           "logits": sequence_logits(model, prompt, one.tokens[0]),
+           "batch": generate(model, [prompt] * b, n_new).tokens}
+    graph_decode.enable(model)
+    graph = generate(model, [prompt] * b, n_new)
+    out["graph"], out["graph_margins"] = graph.tokens, graph.margins
+    return out
+
+
 def main(spec_path: str) -> None:
     spec = json.load(open(spec_path))
     prompts, n_new, device = spec["prompts"], spec["n_new"], spec.get("device", "cpu")
@@ -60,6 +78,8 @@ def main(spec_path: str) -> None:
         r["mixed"] = generate(model, prompts, n_new).tokens  # different prompts in one batch
         graph_decode.enable(model)  # the graph step's routing, stacked experts and combine (eager on a CPU)
         r["graph"] = generate(model, prompts, n_new).tokens
+        group = spec.get("group", {})
+        r["group"] = {name: group_routing(path, group, ep) for name, path in group.get("ckpts", {}).items()}
         if backend == "host-staged":  # packed transformers-5 expert tensors, sliced per rank
             packed = load_model(spec["packed_ckpt"], device=ep.device, ep=ep)
             r["packed_logits"] = sequence_logits(packed, prompts[0], r["gen"]["0-b1"][0])

@@ -3,7 +3,9 @@
 One torchrun launch (tests/ep_worker.py) runs both backends on both ranks: sequence logits, greedy generation
 of two prompts at batch sizes 1..8, a mixed-prompt batch, a packed-expert checkpoint, a checkpoint whose
 expert count the world size does not divide, and the ``python -m engine.generate`` CLI. The test process
-compares that with the single-device engine and with HF ``generate`` on the same tiny random DeepSeek-V2.
+compares that with the single-device engine and with HF ``generate`` on the same tiny random DeepSeek-V2. The same
+launch also runs the group routings (DeepSeek-V2's group_limited_greedy, DeepSeek-V3's noaux_tc) on two tiny
+checkpoints of tests/test_engine_parity.py, one prompt, B=1 and one batch, torch path and graph step.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from engine.checkpoint import CheckpointError, load_model  # noqa: E402
 from engine.generate import generate  # noqa: E402
 from engine.model import MoE  # noqa: E402
 from engine.parallel import ExpertParallel, init_from_env  # noqa: E402
+from test_engine_parity import CONFIGS, PROMPT as GROUP_PROMPT  # noqa: E402
+from test_engine_parity import hf_generate as parity_generate, hf_model as parity_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"
@@ -40,6 +44,9 @@ CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermed
               v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
               initializer_range=0.08, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
 MOE_LAYERS = [1, 2]
+# 8 experts in 4 groups, 2 kept, top-3: the groups matter (k > topk_group); 4 experts a rank
+GROUP = ["v2group-q_direct-e8-g4-t2-k3-yarn4", "v3-q_lora-e8-g4-t2-k3-interleave"]
+GROUP_NEW, GROUP_BATCH = 5, 2
 
 
 def hf_model(**overrides) -> DeepseekV2ForCausalLM:
@@ -93,17 +100,27 @@ def run(tmp_path_factory):
     hf.config.to_json_file(packed / "config.json")
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, packed / "model.safetensors")
     hf_model(n_routed_experts=3).save_pretrained(odd)
+    group = {name: parity_model(CONFIGS[name]) for name in GROUP}
+    for name, model in group.items():
+        model.save_pretrained(tmp / name)
     out = tmp / "out"
     out.mkdir()
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"ckpt": str(ckpt), "packed_ckpt": str(packed), "odd_ckpt": str(odd),
-                                "prompts": PROMPTS, "n_new": N_NEW, "batches": BATCHES, "out": str(out)}))
+                                "prompts": PROMPTS, "n_new": N_NEW, "batches": BATCHES, "out": str(out),
+                                "group": {"ckpts": {name: str(tmp / name) for name in GROUP}, "prompt": GROUP_PROMPT,
+                                          "n_new": GROUP_NEW, "batch": GROUP_BATCH}}))
     proc = torchrun(WORLD, str(WORKER), str(spec))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single = load_model(ckpt)
+    group_single = {name: load_model(tmp / name) for name in GROUP}
     return {"hf": hf, "ckpt": str(ckpt), "single": single, "ranks": ranks, "proc": proc,
             "hf_tokens": [hf_generate(hf, p) for p in PROMPTS],
-            "single_tokens": [generate(single, [p], N_NEW).tokens[0] for p in PROMPTS]}
+            "single_tokens": [generate(single, [p], N_NEW).tokens[0] for p in PROMPTS],
+            "group_single": group_single,
+            "group_hf_tokens": {n: parity_generate(m, GROUP_PROMPT, GROUP_NEW) for n, m in group.items()},
+            "group_single_tokens": {n: generate(m, [GROUP_PROMPT], GROUP_NEW).tokens[0]
+                                    for n, m in group_single.items()}}
 
 
 def _load_worker():
@@ -170,6 +187,37 @@ def test_logits_host_staged_equals_collective_bitwise(run):
         assert torch.equal(got[0], ref1)
     m = [res["backends"][b]["margins"] for res in run["ranks"] for b in ("host-staged", "collective")]
     assert all(x == m[0] for x in m)
+
+
+@pytest.mark.parametrize("name", GROUP)
+def test_group_routings_under_expert_parallelism(run, name):
+    """V2 group-limited and V3 noaux_tc, 4 of 8 experts a rank: both ranks and both backends generate HF's
+    tokens (torch path at B=1 and at a batch, graph step at the batch), as the single-device engine does, and the
+    graph step with the torch path's margins (the groups change most rows' experts here, but not V3's first 5
+    tokens). The sequence logits are the same bits on every rank and backend, and the single-device ones to < 1e-5
+    (not bitwise: with top-3 over 2 ranks a rank may hold the later two of a token's experts, a + (b + c))."""
+    want = run["group_hf_tokens"][name]
+    assert run["group_single_tokens"][name] == want
+    got = []
+    for rank, res in enumerate(run["ranks"]):
+        for backend in ("host-staged", "collective"):
+            g = res["backends"][backend]["group"][name]
+            shard = list(range(rank * 4, rank * 4 + 4))
+            assert g["experts"] == {i: shard for i in g["experts"]} and g["experts"], (backend, rank)
+            assert g["tokens"] == want, f"{backend} rank {rank} B=1"
+            assert g["batch"] == [want] * GROUP_BATCH, f"{backend} rank {rank} B={GROUP_BATCH}"
+            assert g["graph"] == [want] * GROUP_BATCH, f"{backend} rank {rank} graph step B={GROUP_BATCH}"
+            # the graph step's own router (kernels/route.py) routes as MoE.route: top1-top2 margins to rounding
+            for m in g["graph_margins"]:
+                assert m == pytest.approx(g["margins"], abs=1e-4), f"{backend} rank {rank} graph step margins"
+            got.append(g)
+    for g in got:
+        assert torch.equal(g["logits"], got[0]["logits"]), "every rank and both backends: the same bits"
+        assert g["margins"] == got[0]["margins"]
+    ref = sequence_logits(run["group_single"][name], GROUP_PROMPT, want)
+    diff = (got[0]["logits"] - ref).abs().max().item()
+    print(f"\n{name}: {tuple(ref.shape)} logits, EP vs single-device max abs diff {diff:.3g}")
+    assert diff < 1e-5
 
 
 def test_each_rank_holds_only_its_shard(run):

@@ -140,8 +140,12 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
 
 @pytest.mark.parametrize("name", ["v2group-q_direct-e8-g4-t2-k3-yarn4", "v3-q_lora-e8-g4-t2-k3-interleave"])
 def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
-    """DeepSeek-V2's group-limited and DeepSeek-V3's noaux_tc routing through the graph step (the router's torch
-    path, kernels/route.py route_reference): transformers' greedy tokens, and every row of a batch alike."""
+    """DeepSeek-V2's group-limited and DeepSeek-V3's noaux_tc routing through the graph step: transformers' greedy
+    tokens, and every row of a batch alike. One step of a B=8 batch (4 prompts of different lengths, each in two
+    rows) against each prompt's B=1 step: alike rows of the batch bitwise equal, each row its prompt's B=1 logits
+    to fp32 rounding and the same argmax. Not bitwise across batch sizes: the step's projections take kernels.gemv
+    at B=1 and kernels.skinny at 2-16 rows, the routed experts a one-row and a tensor-core kernel, which sum in other
+    orders (kernels/KERNELS.md, "Numerics"), and on a CPU the lm_head's torch matmul differs by batch too."""
     from engine.checkpoint import load_model
     from test_engine_parity import CONFIGS, hf_model
 
@@ -151,3 +155,21 @@ def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
     want = hf_generate(hf, PROMPT, N_NEW)
     gen = generate(fast, [PROMPT] * 3, N_NEW)
     assert gen.tokens == [want] * 3
+
+    dec, dev = fast.graph_decode, fast.embed_tokens.weight.device
+    prompts, n = [PROMPT, LONGER, LONGER[::-1][:3], [200, *PROMPT]], 4
+    max_len = len(LONGER) + 1  # one cache length at both batch sizes: the same attention sums
+    with torch.inference_mode():
+        batch, alone = dec.cache(2 * n, max_len), []
+        for r, p in enumerate(prompts):  # each prompt prefilled once, alone, its cache row copied to rows r and r + n
+            one = dec.cache(1, max_len)
+            fast(torch.tensor([p], device=dev), one)
+            for row in (r, r + n):
+                batch.kv[:, row], batch.pe[:, row], batch.lengths[row] = one.kv[:, 0], one.pe[:, 0], one.lengths[0]
+            alone.append(dec.step(one, torch.tensor([want[0]], device=dev))[0].double().cpu())
+        got = dec.step(batch, torch.tensor([want[0]] * 2 * n, device=dev)).double().cpu()
+    assert batch.lengths.tolist() == [len(p) + 1 for p in prompts] * 2
+    for r in range(n):
+        assert torch.equal(got[r], got[r + n]), f"{name}: alike rows {r} and {r + n}"
+        diff = (got[r] - alone[r]).abs().max().item()
+        assert diff < 1e-5 and got[r].argmax() == alone[r].argmax(), f"{name}: prompt {r}: B=8 vs B=1 {diff:.3g}"

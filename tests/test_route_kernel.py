@@ -1,10 +1,13 @@
 """kernels/route.py (the MoE router of the graph decode step) against an independent reference (torch softmax,
 top-k by a Python sort on (-score, index)) on fresh random inputs: ids and weights for both weightings, the
-shared slots, the remap, exact ties, batch independence, the fallbacks and shape errors.
+shared slots, the remap, exact ties, batch independence, the fallbacks and shape errors; and the same for the group
+routings (DeepSeek-V2's group_limited_greedy, DeepSeek-V3's noaux_tc) against a reference that ranks groups and
+experts by Python sorts too, plus ties between groups and the bias's part.
 
 Without a GPU the kernels run through the Triton interpreter (tests/conftest.py) on small ragged shapes: E=10
 is three expert blocks, the last one partly masked; D=40 is one column split and D=300 two, the second masked.
-With one, at DeepSeek-V2-Lite's shape (and V2's), plus CUDA-graph capture and replay.
+The group routings at E=12 in groups of 3 and of 4. With a GPU, at DeepSeek-V2-Lite's shape (and V2's), plus
+CUDA-graph capture and replay; the group routings at DeepSeek-V3's, Moonlight's and V2's shapes.
 """
 import pytest
 import torch
@@ -239,3 +242,200 @@ def test_cuda_graph_replay_is_bitwise(B, gen):
         want = step()
         assert torch.equal(ids, want[0]) and torch.equal(wts, want[1])
         assert_routes((remap[ids[:, :k]].clone(), wts[:, :k]), reference(x, w, k, False, SCALING), k)
+
+
+# ---- the group routings: DeepSeek-V2's group_limited_greedy and DeepSeek-V3's noaux_tc ----------------------
+
+# (D, E, n_group, topk_group, k, method): on a GPU V3's, Moonlight's and V2's shapes; without one E=12 in groups of
+# 3 and of 4, two groups kept for k=3, so that the restriction changes the choice
+GROUPED = [(7168, 256, 8, 4, 8, "noaux_tc"), (2048, 64, 1, 1, 6, "noaux_tc"),
+           (5120, 160, 8, 3, 6, "group_limited_greedy")] if CUDA else \
+    [(40, 12, g, 2, 3, m) for m in ("group_limited_greedy", "noaux_tc") for g in (4, 3)]
+GROUP_MATCH = [(s, dt, B) for s in GROUPED for dt in (torch.bfloat16, torch.float32) for B in (1, 8, 16)] if CUDA \
+    else [(s, torch.bfloat16, 5) for s in GROUPED]
+
+
+def group_weights(method, v, norm, k, scaling):
+    if method == "noaux_tc":
+        return (v / (v.sum() + 1e-20) if norm else v) * scaling
+    return v / (v.sum() + 1e-20) if norm and k > 1 else v * scaling
+
+
+def group_reference(x, w, k, norm, scaling, method, n_group, topk_group, bias=None, shared=0):
+    """Built here, not from kernels/route.py: (ids, weights, choice, scores), groups and experts chosen by Python
+    sorts on (-value, index); choice is what the experts were ranked by (outside the kept groups 0 for
+    group_limited_greedy, -inf for noaux_tc), scores what the weights are made of."""
+    logits = (x.float() @ w.float().T).cpu()
+    E = w.shape[0]
+    G = E // n_group
+    if method == "noaux_tc":
+        scores = torch.sigmoid(logits)
+        choice = scores + bias.float().cpu()
+    else:
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores.clone()
+    ids, weights = [], []
+    for s, c in zip(scores, choice):
+        rank = []
+        for g in range(n_group):
+            v = c[g * G:(g + 1) * G]
+            o = sorted(range(G), key=lambda i: (-v[i].item(), i))
+            rank.append((v[o[0]] + v[o[1]]).item() if method == "noaux_tc" else v[o[0]].item())
+        kept = sorted(range(n_group), key=lambda g: (-rank[g], g))[:topk_group]
+        out = torch.tensor([e // G not in kept for e in range(E)])
+        c.masked_fill_(out, float("-inf") if method == "noaux_tc" else 0.0)
+        if method != "noaux_tc":
+            s.masked_fill_(out, 0.0)
+        top = sorted(range(E), key=lambda e: (-c[e].item(), e))[:k]
+        ids.append(top + list(range(E, E + shared)))
+        weights.append(torch.cat([group_weights(method, s[top], norm, k, scaling), torch.ones(shared)]))
+    return torch.tensor(ids, dtype=torch.int64), torch.stack(weights), choice, scores
+
+
+def assert_group_routes(got, want, k, norm, scaling, method, rel=1e-5):
+    """As assert_routes, with the near-equal swaps judged by the choice; the weights are checked against the
+    reference's formula at the kernel's own picks (a swap under noaux_tc swaps different unbiased scores)."""
+    (ids, wts), (ref_ids, _, choice, scores) = got, want
+    ids, wts = ids.cpu(), wts.cpu()
+    for b, s in torch.nonzero(ids != ref_ids).tolist():
+        assert s < k, (b, s, ids[b], ref_ids[b])
+        a, r = choice[b, ids[b, s]].item(), choice[b, ref_ids[b, s]].item()
+        assert abs(a - r) <= rel * abs(r), (b, s, ids[b], ref_ids[b], a, r)
+    want_wts = torch.stack([torch.cat([group_weights(method, scores[b, ids[b, :k]], norm, k, scaling),
+                                       torch.ones(ids.shape[1] - k)]) for b in range(ids.shape[0])])
+    torch.testing.assert_close(wts, want_wts, rtol=rel, atol=1e-6)
+
+
+def group_problem(B, D, E, n_group, topk_group, method, dtype, gen):
+    """problem() plus a bias, and row 0 pointed at topk_group + 1 experts of as many groups with logits 10, 9, ...:
+    greedy would take them all, a group routing cannot."""
+    x, w = problem(B, D, E, dtype, gen)
+    x0 = x[0].float()
+    for j in range(min(topk_group + 1, n_group)):
+        w[j * (E // n_group) + j % (E // n_group)] = (10 - j) * x0 / x0.dot(x0)
+    bias = torch.randn(E, generator=gen, device=DEV) * 0.01 if method == "noaux_tc" else None
+    return x, w, bias
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "scaled"])
+@pytest.mark.parametrize("shape,dtype,B", GROUP_MATCH, ids=lambda v: str(v).removeprefix("torch."))
+def test_group_routings_match_reference(shape, dtype, B, norm, gen):
+    D, E, n_group, topk_group, k, method = shape
+    shared = 2
+    x, w, bias = group_problem(B, D, E, n_group, topk_group, method, dtype, gen)
+    args = (method, n_group, topk_group, bias)
+    assert rt.route_reason(x, w, k, shared, None, *args) is None
+    ids, wts = rt.route(x, w, k, norm, SCALING, shared, None, *args)
+    assert ids.shape == wts.shape == (B, k + shared) and ids.dtype == torch.int64 and wts.dtype == torch.float32
+    want = group_reference(x, w, k, norm, SCALING, *args, shared=shared)
+    assert_group_routes((ids, wts), want, k, norm, SCALING, method)
+    if n_group > topk_group:  # row 0: the groups changed the choice (against all experts in one group)
+        plain = group_reference(x[:1], w, k, norm, SCALING, method, 1, 1, bias)[0]
+        assert not torch.equal(want[0][0, :k], plain[0]) and not torch.equal(ids[0, :k].cpu(), plain[0])
+    # expert parallelism: the remap of the same routes, bitwise
+    remap = torch.randperm(E + shared, generator=gen, device=DEV) - (E + shared) // 2
+    remap[remap < 0] = -1
+    rids, rwts = rt.route(x, w, k, norm, SCALING, shared, remap, *args)
+    assert torch.equal(rids, remap[ids]) and torch.equal(rwts, wts)
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
+def test_group_ties_pick_the_lowest_group(method, gen):
+    """Integer-valued inputs (as test_ties_pick_the_lowest_index). Against x row 0 (all ones) groups 1, 2 and 3
+    (of 3 experts) tie, by their best expert and by their top-2 sum: logits 10 and 5 (experts 3, 4; 6, 7; 9, 10)
+    and a third below; two groups are kept, 1 and 2, so k=3 takes 3, 6 and then 4 of the tie 4 = 7, not 9.
+    Expert 2 repeats expert 1, so group 0 often has its largest twice (its top-2 sum is then twice it)."""
+    D, E, n_group, topk_group, k = 40, 12, 4, 2, 3
+    x = torch.randint(-2, 3, (4, D), generator=gen, device=DEV).to(torch.bfloat16)
+    x[0] = 1
+    w = torch.randint(-2, 3, (E, D), generator=gen, device=DEV).float() / 16
+    w[[3, 6, 9]], w[[4, 7, 10]], w[[0, 5, 8, 11]] = 0.25, 0.125, -1 / 16
+    w[2] = w[1]
+    bias = torch.zeros(E, device=DEV) if method == "noaux_tc" else None
+    args = (method, n_group, topk_group, bias)
+    for norm in (True, False):
+        ids, wts = rt.route(x, w, k, norm, SCALING, 0, None, *args)
+        ref_ids, ref_wts, _, _ = group_reference(x, w, k, norm, SCALING, *args)
+        assert torch.equal(ids.cpu(), ref_ids), (ids, ref_ids)  # exactly: no rounding to excuse a swap
+        torch.testing.assert_close(wts.cpu(), ref_wts, rtol=1e-5, atol=1e-6)
+        assert ids[0].tolist() == [3, 6, 4]
+        assert torch.equal(rt.route_reference(x, w, k, norm, SCALING, 0, None, *args)[0].cpu(), ref_ids)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "scaled"])
+def test_the_bias_steers_the_choice_not_the_weights(norm, gen):
+    """noaux_tc: a bias of 10 on row 0's least likely expert puts it first in every row; its weight is its
+    unbiased sigmoid score."""
+    D, E, n_group, topk_group, k = 40, 12, 4, 2, 3
+    x, w = problem(4, D, E, torch.float32, gen)
+    bias = torch.zeros(E, device=DEV)
+    s = torch.sigmoid(x.float() @ w.float().T)
+    low = s[0].argmin().item()
+    assert low not in rt.route(x, w, k, norm, SCALING, 0, None, "noaux_tc", n_group, topk_group, bias)[0][0]
+    bias[low] = 10
+    ids, wts = rt.route(x, w, k, norm, SCALING, 0, None, "noaux_tc", n_group, topk_group, bias)
+    assert (ids[:, 0] == low).all()
+    own = s[:, low] / (s.gather(1, ids).sum(1) + 1e-20) if norm else s[:, low]
+    torch.testing.assert_close(wts[:, 0], own * SCALING, rtol=1e-5, atol=1e-6)
+    assert_group_routes((ids, wts), group_reference(x, w, k, norm, SCALING, "noaux_tc", n_group, topk_group, bias),
+                        k, norm, SCALING, "noaux_tc")
+
+
+@pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
+def test_group_rows_do_not_depend_on_the_batch(method, gen):
+    D, E, n_group, topk_group, k, _ = GROUPED[-1]
+    B = 16 if CUDA else 4
+    x, w, _ = group_problem(B, D, E, n_group, topk_group, method, torch.bfloat16, gen)
+    bias = torch.randn(E, generator=gen, device=DEV) * 0.1 if method == "noaux_tc" else None
+    args = (method, n_group, topk_group, bias)
+    ids, wts = rt.route(x, w, k, True, SCALING, 1, None, *args)
+    for b in range(B):
+        one = rt.route(x[b:b + 1], w, k, True, SCALING, 1, None, *args)
+        assert torch.equal(ids[b], one[0][0]) and torch.equal(wts[b], one[1][0]), b
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
+def test_group_nan_rows_still_give_ids_in_range(method, gen):
+    """A NaN row ranks every group and expert as +inf: the lowest groups, their lowest experts (as the torch path)."""
+    D, E, n_group, topk_group, k = 40, 12, 4, 2, 3
+    x, w = problem(3, D, E, torch.float32, gen)
+    x[1, 3] = float("nan")
+    args = (method, n_group, topk_group, torch.zeros(E, device=DEV) if method == "noaux_tc" else None)
+    ids, wts = rt.route(x, w, k, True, SCALING, 0, None, *args)
+    assert ids[1].tolist() == [0, 1, 2] and torch.isnan(wts[1]).all()
+    assert torch.equal(rt.route_reference(x, w, k, True, SCALING, 0, None, *args)[0][1], ids[1])
+
+
+def test_group_shape_errors_and_fallbacks(gen):
+    D, E, k = 40, 12, 3
+    x, w = problem(3, D, E, torch.float32, gen)
+    bias = torch.zeros(E, device=DEV)
+    ok = dict(method="noaux_tc", n_group=4, topk_group=2, bias=bias)
+    bad = [dict(method="topk"), dict(method="group_limited_greedy", n_group=5, topk_group=1),
+           ok | dict(n_group=0), ok | dict(topk_group=0), ok | dict(topk_group=5), ok | dict(top_k=7),
+           ok | dict(bias=None), ok | dict(bias=torch.zeros(E + 1, device=DEV)), ok | dict(bias=bias[None]),
+           ok | dict(n_group=12, topk_group=3)]  # groups of one expert have no top 2
+    for change in bad:
+        args = dict(x=x, gate_weight=w, top_k=k, norm_topk_prob=True, scaling=SCALING) | change
+        for call in (rt.route, rt.route_reference):
+            with pytest.raises(ValueError):
+                call(**args)
+        with pytest.raises(ValueError):
+            rt.route_reason(x, w, args["top_k"], 0, None, args["method"], args.get("n_group", 1),
+                            args.get("topk_group", 1), args.get("bias"))
+    # k = 6 experts of 2 groups of 3 is allowed, and so is any bias for the methods that have none
+    assert rt.route_reason(x, w, 6, 0, None, "group_limited_greedy", 4, 2, torch.zeros(1)) is None
+    # the bias must be contiguous fp32 on the device; more than MAX_GROUPS groups: the torch path
+    want = rt.route_reference(x, w, k, True, SCALING, 0, None, **ok)
+    for other, why in [(bias.to(torch.bfloat16), "bias"), (torch.zeros(2 * E, device=DEV)[::2], "bias"),
+                       (bias.cpu() if CUDA else None, "devices")]:
+        if other is not None:
+            assert why in rt.route_reason(x, w, k, 0, None, "noaux_tc", 4, 2, other)
+            assert torch.equal(rt.route(x, w, k, True, SCALING, 0, None, "noaux_tc", 4, 2, other)[0], want[0])
+    E = 2 * (rt.MAX_GROUPS + 1)
+    x, w = problem(3, D, E, torch.float32, gen)
+    assert "n_group" in rt.route_reason(x, w, k, 0, None, "group_limited_greedy", E // 2, 2)
+    got = rt.route(x, w, k, False, SCALING, 0, None, "group_limited_greedy", E // 2, 2)
+    torch.testing.assert_close(got[1], rt.route_reference(x, w, k, False, SCALING, 0, None, "group_limited_greedy",
+                                                          E // 2, 2)[1], rtol=0, atol=0)
