@@ -2,7 +2,7 @@
 
 Free-running: stored hashes must match their ids (else an error), rows of a batch must be identical
 (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`), first divergence at an
-oracle margin below the dtype's noise (`near_tie_divergence`, see `near_tie_margins`), or above it
+oracle margin below the dtype's noise (`near_tie_divergence`, see `near_tie_margin`), or above it
 (`engine_accuracy_gap`). A free-running
 trace says nothing after its first divergence, and in bf16 small logic bugs hide under the rounding, so two
 checks along the oracle's trace (teacher-forced, every row) decide too:
@@ -35,9 +35,11 @@ from workflow.traces import first_difference, token_at
 from workflow.verdicts import SEVERITY
 
 # Below these top-1/top-2 margins two correct implementations may pick different tokens: the floor of
-# `near_tie_margins`. For bf16, 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the
+# `near_tie_margin`. For bf16, 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the
 # engine disagreed with itself across batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
 NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
+# ... raised in bf16/fp16 to the margin error transformers' own run exceeds at 5% of positions
+NOISE_QUANTILE = 0.95
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
 # The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
 # "Parity": 8x the largest float32 noise measured, and between transformers' own bf16 error and a low-dtype norm's.
@@ -57,17 +59,20 @@ def check_hashes(where: str, entry: dict) -> None:
         raise HashMismatch(f"{where}: stored text_sha256 does not match its text")
 
 
-def near_tie_margins(oracle: dict, transformers: dict[str, dict], fixed: float | None) -> dict[str, float]:
-    """Each case's near-tie margin: `fixed` where the campaign gives one (parity.near_tie_margin), else the dtype's
-    floor (NEAR_TIE), which a bf16/fp16 campaign widens to the noise transformers itself shows on the case's path:
-    twice the largest |Δ| its own run in that dtype makes on the margin (the float32 reference's top-2 log-probs),
-    since the oracle's rounding and the engine's each move a margin by about that much. A fixed bf16 floor called
-    decisive a margin of 1.06 nats that transformers' own rounding moved by 0.58 (Moonlight's shape, H200)."""
-    if fixed is not None:
-        return {c["name"]: fixed for c in oracle["cases"]}
+def near_tie_margin(oracle: dict, transformers: dict[str, dict], fixed: float | None) -> tuple[float, dict | None]:
+    """The near-tie margin and, where it was measured, how: `fixed` where the campaign gives one
+    (parity.near_tie_margin), else the dtype's floor (NEAR_TIE), which a bf16/fp16 campaign raises to the noise
+    transformers itself shows on these paths: the NOISE_QUANTILE of the error its own run in that dtype makes on a
+    margin (|Δ| of the float32 reference's top-1 log-prob plus its top-2's), over every position of every case.
+    Random weights make that noise large: on Moonlight's shape (H200, bf16) a median of 0.8 nats and a 95th
+    percentile of 4.45, where the fixed floor of 0.5 called a divergence at a margin of 1.06 decisive."""
     floor = NEAR_TIE[oracle["dtype"]]
-    return {c["name"]: max(floor, 2 * float(transformers[c["name"]]["delta"][:, :2].sum(-1).max()))
-            if c["name"] in transformers else floor for c in oracle["cases"]}
+    if fixed is not None or not transformers:
+        return (floor if fixed is None else fixed), None
+    errors = torch.cat([e["delta"][:, :2].sum(-1) for e in transformers.values()])
+    noise = float(torch.quantile(errors, NOISE_QUANTILE, interpolation="lower"))  # a value some position has
+    return max(floor, noise), {"quantile": NOISE_QUANTILE, "positions": len(errors), "transformers_margin_error": noise,
+                               "floor": floor}
 
 
 def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | None]:
@@ -83,7 +88,7 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     step = len(want) if step is None else step  # same ids, different text: a decode gap after the last token
     margin = token_at(oracle["margins"], step)
     div = {"case": case["name"], "row": 0, "step": step, "oracle_token": token_at(want, step),
-           "engine_token": token_at(got, step), "oracle_margin": margin, "near_tie_margin": near_tie}
+           "engine_token": token_at(got, step), "oracle_margin": margin}
     verdict = "near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"
     return verdict, div
 
@@ -196,14 +201,14 @@ def transport_cells(runs: list[dict]) -> list[dict]:
 
 def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic_tolerance: float = LOGIC_TOLERANCE,
             precision_bound: float = PRECISION_BOUND) -> dict:
-    """The comparison; near_tie: a fixed near-tie margin, or None for each case's own (near_tie_margins)."""
+    """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (near_tie_margin)."""
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
         check_hashes(f"oracle case {c['name']}", c)
     dtypes = logprobs.dtypes(oracle["dtype"])
     transformers = ({c["name"]: logprobs.row_errors(c["reference"], c["same_dtype"]) for c in oracle["cases"]}
                     if oracle["dtype"] != REFERENCE_DTYPE else {})
-    margins = near_tie_margins(oracle, transformers, near_tie)
+    margin, noise = near_tie_margin(oracle, transformers, near_tie)
     cells, forced = [], []
     for run in runs:
         names = sorted(c["name"] for c in run["cases"])
@@ -216,7 +221,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
                 check_hashes(f"{where} row {r}", row)
             errs = {d: forced_rows(o, case, d, where) for d in dtypes}  # present even where not decisive
             engine[case["name"]] = errs[oracle["dtype"]]
-            verdict, div = compare_case(o, case, margins[case["name"]])
+            verdict, div = compare_case(o, case, margin)
             checked = None
             if verdict != "batch_row_mismatch":  # the forced checks decide unless the free run is already worse
                 bad, detail, checked = check_forced(o, case, dtypes, errs[REFERENCE_DTYPE], logic_tolerance)
@@ -244,8 +249,8 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],
-        "near_tie_margin": NEAR_TIE[oracle["dtype"]] if near_tie is None else near_tie,
-        "near_tie_margins": margins,
+        "near_tie_margin": margin,
+        "near_tie_noise": noise,
         "logic_tolerance": logic_tolerance,
         "precision_bound": precision_bound,
         "cells": cells,
@@ -263,17 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     near_tie = parity.get("near_tie_margin")
     tol, bound = parity["logic_tolerance"], parity["precision_bound"]
     try:
-        # the near-tie floor (or the fixed margin); each case's own is a metric
-        with Stage(args.evidence, "compare", params={"near_tie_margin": NEAR_TIE[config["dtype"]] if near_tie is None
-                                                     else near_tie, "logic_tolerance": tol,
-                                                     "precision_bound": bound}) as st:
+        with Stage(args.evidence, "compare", params={"logic_tolerance": tol, "precision_bound": bound}) as st:
             result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie,
                              tol, bound)
             st.write_json("parity/comparison.json", result)
             st.tags[gates.PARITY.tag] = result["verdict"]
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
             st.metrics["cells"] = len(result["cells"])
-            st.metrics["near_tie_margin_max"] = max(result["near_tie_margins"].values())
+            st.params["near_tie_margin"] = result["near_tie_margin"]  # as configured, or measured
             logic = [f["logic"]["max"] for f in result["forced"] if f["logic"]]
             if logic:
                 st.metrics["logic_max_abs_delta"] = max(logic)
