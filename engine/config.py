@@ -98,15 +98,6 @@ class ModelArgs:
             scale = scale * m * m
         return scale
 
-    @property
-    def graph_decode_reason(self) -> str | None:
-        """Why the graph decode path (engine/graph_decode.py) cannot run this model, or None: its MLA kernels rotate
-        adjacent pairs (interleaved rope) only."""
-        if not self.rope_interleave:
-            return ("the graph decode path's MLA kernels rotate interleaved rope pairs only; this model has "
-                    "rope_interleave false: use the torch or triton decode path")
-        return None
-
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 

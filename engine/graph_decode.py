@@ -22,7 +22,8 @@ memory, which a graph cannot hold, so that backend runs the same step eagerly.
 The routed experts' parameters are re-seated as views of the stacks, so nothing is held twice; the shared
 slices are copies (the prefill keeps the shared MLP's own weights). Prefill stays on the model's ordinary
 forward, into the same cache. Without CUDA the step runs eagerly (the kernels through Triton's interpreter, or
-their torch fallbacks), which is how CI tests it.
+their torch fallbacks), which is how CI tests it. A model with rope on the halves (DeepSeek-V3's rope_interleave
+false) has its rope rows permuted into interleaved pairs first (``_interleave_rope``), prefill included.
 """
 from __future__ import annotations
 
@@ -68,12 +69,33 @@ def _remap(moe: MoE, n_routed: int, n_shared: int, ep) -> torch.Tensor | None:
     return torch.tensor(table, dtype=torch.long, device=moe.gate.weight.device)
 
 
+def _interleave_rope(model: Transformer) -> None:
+    """A model whose rope rotates the halves (x_i, x_i+D/2; DeepSeek-V3's rope_interleave false) made the same
+    function with interleaved pairs (x_2i, x_2i+1), the only layout the MLA kernels rotate: the output rows of q's
+    and k's rope dims are permuted so that pair i of the interleaved layout holds the halves' pair i, and every
+    layer then rotates interleaved pairs, the prefill too. q·k sums the same products, in another order."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        half = attn.rope // 2
+        order = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()  # 0, h, 1, h+1, ...
+        head = attn.nope + attn.rope
+        q_rows = torch.arange(attn.n_heads * head).view(attn.n_heads, head)
+        q_rows[:, attn.nope:] = q_rows[:, attn.nope:][:, order]
+        k_rows = torch.cat([torch.arange(attn.kv_lora_rank), attn.kv_lora_rank + order])
+        q_last = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
+        for linear, rows in ((q_last, q_rows.flatten()), (attn.kv_a_proj_with_mqa, k_rows)):
+            for t in (linear.weight, linear.bias):
+                if t is not None:
+                    t.data.copy_(t.data[rows.to(t.device)])
+        attn.rope_interleave = True
+
+
 class GraphDecode:
     """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
-        if model.args.graph_decode_reason:
-            raise NotImplementedError(model.args.graph_decode_reason)
+        if not model.args.rope_interleave:  # before the projections' kernels take their weights
+            _interleave_rope(model)
         self.model, self.ep = model, model.ep
         if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
             # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The

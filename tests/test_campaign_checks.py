@@ -303,12 +303,10 @@ def test_the_old_key_nsight_is_read_as_profile_with_a_warning(capsys):
 def test_deepseek_v3_and_group_limited_routing_are_checked_before_any_work():
     v3 = {"model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1}
     assert valid({**minimal(base="tiny", config=v3)})["checkpoint"]["config"]["model_type"] == "deepseek_v3"
-    # the graph path's MLA kernels rotate adjacent pairs: refused where a stage would run it, not deep inside it
-    valid({**minimal(base="tiny", config=v3), "parity": {"kernels": ["torch", "graph"]}})
+    # rope on the halves too, on every decode path (the graph path permutes it into interleaved pairs)
     halves = {**v3, "rope_interleave": False}
-    msg = rejected({**minimal(base="tiny", config=halves), "parity": {"kernels": ["torch", "graph"]}})
-    assert "at `parity.kernels`: the graph decode path's MLA kernels rotate interleaved rope pairs only" in msg
-    valid({**minimal(base="tiny", config=halves), "stages": ["quality"], "bench": {"kernels": "graph"}})
+    assert valid({**minimal(base="tiny", config=halves), "parity": {"kernels": ["torch", "graph"]}})[
+        "checkpoint"]["config"]["rope_interleave"] is False
     assert "at `checkpoint.config`: group_limited_greedy: n_group=3 must divide n_routed_experts=8" in rejected(
         minimal(base="tiny", config={"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}))
     assert "at `checkpoint.config.model_type`: 'llama' is not one of" in rejected(

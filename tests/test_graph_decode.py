@@ -138,7 +138,29 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
     assert calls == [(2,)] * 3
 
 
-@pytest.mark.parametrize("name", ["v2group-q_direct-e8-g4-t2-k3-yarn4", "v3-q_lora-e8-g4-t2-k3-interleave"])
+def test_rope_on_the_halves_becomes_interleaved_pairs_computing_the_same(tmp_path):
+    """DeepSeek-V3 with rope_interleave false (q LoRA set, yarn): enabling the graph path permutes q's and k's rope
+    rows into interleaved pairs; the ordinary forward then rotates interleaved pairs, to the same logits."""
+    from engine.checkpoint import load_model
+    from engine.model import LatentCache
+    from test_engine_parity import CONFIGS, hf_model
+
+    hf = hf_model({**CONFIGS["v3-q_direct-e16-g4-t1-k3-yarn4-halves"], "q_lora_rank": 16})
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    ids = torch.tensor([LONGER])
+    with torch.inference_mode():
+        before = model(ids, LatentCache.for_model(model, 1, len(LONGER)))
+        graph_decode.enable(model)
+        after = model(ids, LatentCache.for_model(model, 1, len(LONGER)))
+        want = hf(ids).logits
+    assert all(layer.self_attn.rope_interleave for layer in model.layers) and not model.args.rope_interleave
+    assert (after - before).abs().max().item() < 1e-5 and (after - want).abs().max().item() < 1e-4
+    assert generate(model, [PROMPT], N_NEW).tokens[0] == hf_generate(hf, PROMPT, N_NEW)
+
+
+@pytest.mark.parametrize("name", ["v2group-q_direct-e8-g4-t2-k3-yarn4", "v3-q_lora-e8-g4-t2-k3-interleave",
+                                  "v3-q_direct-e16-g4-t1-k3-yarn4-halves"])
 def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
     """DeepSeek-V2's group-limited and DeepSeek-V3's noaux_tc routing through the graph step: transformers' greedy
     tokens, and every row of a batch alike. One step of a B=8 batch (4 prompts of different lengths, each in two

@@ -248,11 +248,6 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
                                "shapes are stated together or taken from the model"))
     if o["segments"] is not None and len(o["segments"]) != len(o["segment_dtypes"]):
         out.append(("overlap.segment_dtypes", "needs one dtype per overlap.segments entry"))
-    graph = [k for k, stages, on in (("parity.kernels", {"parity"}, "graph" in config["parity"]["kernels"]),
-                                      ("bench.kernels", {"bench", "profile"}, config["bench"]["kernels"] == "graph"))
-             if on and stages & set(config["stages"])]
-    if model is not None and graph and (why := ModelArgs.from_hf(model).graph_decode_reason):
-        out += [(k, why) for k in graph]
     experts, ep = (model or {}).get("n_routed_experts"), config["parallel"]["ep_size"]
     if experts and set(runs.EP_BACKENDS) & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
         out.append(("parallel.ep_size", f"{ep} ranks do not divide the model's {experts} routed experts "
