@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: run test lint clean
+.PHONY: run test ui lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# MLflow's UI on this directory's store (mlflow.db), on 127.0.0.1; `evident ui` installs it on first use.
+ui: $(VENV)/.installed
+	$(BIN)/evident ui $(ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/snakemake --lint

@@ -21,7 +21,7 @@ import cluster
 import handbuilt
 import headless
 from workflow import archive, cli, diff
-from workflow.evidence import MANIFEST, write_json, write_manifest
+from workflow.evidence import MANIFEST, Stage, write_json, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -256,7 +256,7 @@ def test_diff_claims_only_where_the_bench_rule_allows(tmp_path, capsys, monkeypa
     assert code == 0
     assert "nothing: same campaign, config, versions and checkpoint" in out
     row = next(line for line in out.splitlines() if line.startswith("single") and "faster" in line)
-    assert row.split()[:5] == ["single", "1", "10", "8", "-20.0%"]
+    assert row.split() == ["single-b1", "10", "8", "0.800", "faster"]  # cell, TPOT p50 A, B, B/A, claim
     code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--json")
     assert code == 0 and json.loads(out)["bench"][0]["claim"] == "faster"
 
@@ -272,7 +272,120 @@ def test_diff_refuses_a_claim_across_versions_and_names_what_differs(tmp_path, c
     assert code == 0
     assert "versions differ: torch 2.13.0+cpu vs 2.14.0" in out
     row = next(line for line in out.splitlines() if line.startswith("single"))
-    assert "no directional claim" in row and "versions differ (torch)" in row and "faster" not in row
+    assert row.split()[-4:] == ["no", "directional", "claim", "[1]"] and "faster" not in row
+    assert "  [1] versions differ (torch)" in out.splitlines()  # the reason, as its footnote
+
+
+def _long_cell(backend: str, batch: int, tpot: float, kernels: str = "graph", **kw) -> dict:
+    c = handbuilt.cell(backend=backend, batch=batch, tpot=tpot, **kw)
+    c["kernels"] = kernels
+    return c
+
+
+def _first_column(lines: list[str]) -> set[str]:
+    """Each table row's first cell, its wrapped continuation lines (nothing in the other columns) joined again."""
+    out: list[str] = []
+    for line in lines:
+        if line[:1] in ("", " ", "-") or not line.split():
+            continue
+        if len(line.split()) == 1 and out:
+            out[-1] += line.strip()
+        else:
+            out.append(line.split()[0] if "  " not in line else line.split("  ")[0])
+    return set(out)
+
+
+def test_diff_fits_a_terminal_and_json_keeps_every_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    wide = "host-staged-over-a-transport-with-a-rather-long-name"  # longer than any real backend
+    long_key = {f"contract_key_with_a_long_name_{i}": i for i in range(6)}  # a reason of ~280 characters
+    torch = "2.14.0+cu130-with-a-long-local-version"
+    other = _long_cell(wide, 1, 9.0, **long_key)
+    other["versions"]["torch"] = torch
+    base = handbuilt.build(root, "tiny", "aaaaaaa-c1-r1", plot=False, cells=[
+        _long_cell("host-staged", 8, 10.0), _long_cell("host-staged", 64, 10.0), _long_cell(wide, 1, 10.0)])
+    new = handbuilt.build(root, "tiny", "bbbbbbb-c1-r1", plot=False, verdict="near_tie_divergence", cells=[
+        _long_cell("host-staged", 8, 5.0),                               # quiet, same contract: faster
+        _long_cell("host-staged", 64, 8.0, spread=0.1),                  # noisy
+        other], versions={"torch": torch})
+    stage = "a-stage-whose-name-goes-on-and-on-the-way-some-generated-stage-names-do"
+    for ev, value in ((base, 1.0), (new, 2.0)):
+        with Stage(ev, stage) as st:
+            st.metrics[f"metric_{'with_a_very_long_name_' * 4}{value:g}"] = value  # one each: A only, B only
+            st.metrics["shared_metric_" + "x" * 90] = value
+            if ev == new:
+                st.skip("skipped because " + "of a long reason " * 10)
+
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert code == 0
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 100, [line for line in lines if len(line) > 100]
+    header = next(i for i, line in enumerate(lines) if line.startswith("cell ") and lines[i + 1].startswith("---"))
+    assert lines[header].split() == ["cell", "A", "TPOT", "p50", "(ms)", "B", "B/A", "claim"]
+    assert lines[header + 2].split() == ["host-staged-graph-b8", "10", "5", "0.500", "faster"]
+    assert lines[header + 3].split() == ["host-staged-graph-b64", "10", "8.8", "0.880", "no", "directional", "claim", "[1]"]
+    # the wide cell name wraps within its column; its row has no ratio (different contracts) and a footnote
+    assert lines[header + 4].split()[1:] == ["10", "9", "—", "no", "directional", "claim", "[2]"]
+    assert f"{wide}-graph-b1" in _first_column(lines)
+    # the footnotes: every reason, whole (their wrapped lines joined again)
+    d = diff.diff(archive.load(base), archive.load(new))
+    reasons = {c["cell"]: c["reason"] for c in d["bench"]}
+    notes = " ".join(line.strip() for line in lines[header + 6:lines.index("", header)])
+    assert notes == f"[1] {reasons['host-staged-graph-b64']} [2] {reasons[wide + '-graph-b1']}"
+    assert "current cell noisy" in notes and "contract_key_with_a_long_name_5" in notes
+    # long metric and stage names wrap within their column, none is dropped
+    names = _first_column(lines)
+    for name in (f"{stage}.shared_metric_" + "x" * 90, f"{stage}.metric_{'with_a_very_long_name_' * 4}1",
+                 f"{stage}.metric_{'with_a_very_long_name_' * 4}2", "bench-single.b8_tpot_p50_ms"):
+        assert name in names
+    assert f"stage {stage}" in names  # the verdict row of the stage skipped in B
+
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--json")
+    bench = {c["cell"]: c for c in json.loads(out)["bench"]}
+    fast = bench["host-staged-graph-b8"]
+    assert set(fast) == {"cell", "backend", "kernels", "batch", "a_tpot_p50_ms", "b_tpot_p50_ms", "tpot_p50_ratio",
+                         "a_tok_s", "b_tok_s", "tok_s_ratio", "claim", "tpot_p50_change_pct", "tok_s_change_pct",
+                         "reason"}
+    assert (fast["backend"], fast["kernels"], fast["batch"]) == ("host-staged", "graph", 8)
+    assert fast["tpot_p50_ratio"] == pytest.approx(0.5) and fast["tok_s_ratio"] == pytest.approx(2.0)
+    assert fast["a_tok_s"] and fast["b_tok_s"] == pytest.approx(2 * fast["a_tok_s"]) and fast["reason"] is None
+    assert bench[wide + "-graph-b1"]["reason"] == reasons[wide + "-graph-b1"] and "versions differ (torch)" in notes
+    assert bench[wide + "-graph-b1"]["tpot_p50_ratio"] is None  # no ratio between different experiments
+
+
+def test_diff_keeps_decode_paths_apart(tmp_path, capsys, monkeypatch):
+    """single-b1 and single-graph-b1 are different cells: before, both keyed (single, 1), one replaced the other
+    in a directory and a torch cell of A was compared with a graph cell of B."""
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    base = handbuilt.build(root, "tiny", "aaaaaaa-c1-r1", plot=False, cells=[_long_cell("single", 1, 10.0, "torch")])
+    write_json(base / "bench/single-graph-b1.json", _long_cell("single", 1, 4.0))
+    new = handbuilt.build(root, "tiny", "bbbbbbb-c1-r1", plot=False, cells=[_long_cell("single", 1, 8.0, "torch")])
+    write_json(new / "bench/single-graph-b1.json", _long_cell("single", 1, 2.0))
+    d = diff.diff(archive.load(base), archive.load(new))
+    rows = {c["cell"]: c for c in d["bench"]}
+    assert list(rows) == ["single-b1", "single-graph-b1"]
+    assert rows["single-b1"]["tpot_p50_ratio"] == pytest.approx(0.8) and rows["single-b1"]["kernels"] == "torch"
+    assert rows["single-graph-b1"]["tpot_p50_ratio"] == pytest.approx(0.5)
+    assert rows["single-graph-b1"]["kernels"] == "graph" and rows["single-graph-b1"]["claim"] == "faster"
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert [line.split()[:4] for line in out.splitlines() if line.startswith("single")] == [
+        ["single-b1", "10", "8", "0.800"], ["single-graph-b1", "4", "2", "0.500"]]
+
+    # a torch cell in A and a graph cell in B at the same backend and batch: two rows, no comparison
+    (new / "bench/single-b1.json").unlink()
+    (base / "bench/single-graph-b1.json").unlink()
+    rows = {c["cell"]: c for c in diff.bench_diff(archive.load(base), archive.load(new))}
+    assert {k: (v["claim"], v["reason"], v["tpot_p50_ratio"]) for k, v in rows.items()} == {
+        "single-b1": ("no directional claim", "only in A", None),
+        "single-graph-b1": ("no directional claim", "only in B", None)}
+
+    # two files of one cell (a stray copy): reported, not one silently chosen
+    write_json(new / "bench/copy-of-single-graph-b1.json", _long_cell("single", 1, 3.0))
+    row = next(c for c in diff.bench_diff(archive.load(base), archive.load(new)) if c["cell"] == "single-graph-b1")
+    assert row["claim"] == "no directional claim" and row["reason"] == (
+        "B has 2 files for this cell (copy-of-single-graph-b1.json, single-graph-b1.json)")
 
 
 # --- sync ------------------------------------------------------------------------------------

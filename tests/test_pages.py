@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -61,12 +62,12 @@ def test_pages_outside_evidence_directories_relative_and_escaped(root, tmp_path)
 def test_mlflow_links_only_to_an_http_server_and_never_its_credentials(root):
     pages.write_archive(root, tracking_uri="sqlite:////somewhere/private/mlflow.db")
     page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
-    assert "private" not in page and "<code>" + "p" * 32 + "</code>" in page and "mlflow ui" in page
+    assert "private" not in page and "<code>" + "p" * 32 + "</code>" in page and "evident ui" in page
     pages.write_archive(root, tracking_uri="https://user:secret@mlflow.example.org/prefix/")
     page = (root / "_pages/tiny/aaaaaaa-c11111111-r1.html").read_text()
     assert "secret" not in page and "user:" not in page
-    assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"p" * 32}"' in page
-    assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{"c" * 32}"' in page
+    for rid in ("p" * 32, "c" * 32):  # on the runs view ("Machine learning"), not MLflow 3's GenAI overview
+        assert f'href="https://mlflow.example.org/prefix/#/experiments/3/runs/{rid}{pages.VIEW}"' in page
     pending = (root / "_pages/tiny/bbbbbbb-c22222222-r1.html").read_text()
     assert "evident sync" in pending and "experiments/" not in pending
 
@@ -108,3 +109,48 @@ def test_archive_loads_in_headless_chromium(root, tmp_path):
         assert len(seen["links"]) + len(seen["images"]) == len(headless.links_and_images(target))
         assert shot.stat().st_size > 5_000
     shutil.copyfile(tmp_path / "index.png", "/tmp/evident-index-handbuilt.png")
+
+
+def test_trends_page_per_campaign_with_a_sealed_directory(root, tmp_path):
+    pages.write_archive(root)
+    trends = root / "_pages/_trends/tiny.html"
+    assert sorted(p.relative_to(root).as_posix() for p in root.glob("_trends/*")) == ["_trends/tiny.csv",
+                                                                                      "_trends/tiny.png"]
+    assert not (root / "_pages/_trends/gpu-ep2.html").exists()  # unsealed only: no trend
+    index = (root / "index.html").read_text()
+    assert 'href="_pages/_trends/tiny.html"' in index and 'href="_trends/tiny.png"' in index
+    assert 'href="_pages/_trends/gpu-ep2.html"' not in index
+    text = trends.read_text()
+    assert '<img src="../../_trends/tiny.png"' in text and 'href="../../_trends/tiny.csv"' in text
+    assert 'href="../tiny/aaaaaaa-c11111111-r1.html"' in text and 'href="../tiny/bbbbbbb-c11111111-r1.html"' not in text
+    assert 'href="../tiny/bbbbbbb-c22222222-r1.html"' in text and "None: no cell got slower" in text
+    assert 'class="badge warn">near_tie_divergence' in text  # the gate verdicts, per directory
+    assert str(tmp_path) not in text and "<script" not in text and "http" not in text
+    assert headless.assert_archive_resolves(root) > 30
+    for ev in archive.evidence_dirs(root):
+        assert archive.intact(archive.verify(ev)) or not (ev / "MANIFEST.json").exists()
+
+    # a campaign with no sealed directory left loses its trends; a filtered `evident trend` view is not ours
+    (root / "_trends/tiny-single-b1.csv").write_text("mine")
+    for eid in ("aaaaaaa-c11111111-r1", "bbbbbbb-c22222222-r1"):
+        shutil.rmtree(root / "tiny" / eid)
+    pages.write_archive(root)
+    assert not trends.exists() and sorted(p.name for p in (root / "_trends").iterdir()) == ["tiny-single-b1.csv"]
+    assert "_trends/tiny" not in (root / "index.html").read_text()
+
+
+def test_trends_page_loads_in_headless_chromium(root, tmp_path):
+    if not headless.binary():
+        pytest.skip("chromium is not installed (apt-get install chromium): the browser check needs it")
+    pages.write_archive(root)
+    target = root / "_pages/_trends/tiny.html"
+    seen = headless.load(target, tmp_path / "trends.png")
+    assert seen["errors"] == [], seen["errors"]
+    assert [img["src"].rpartition("/")[2] for img in seen["images"]] == ["tiny.png"]
+    assert all(img["ok"] for img in seen["images"]), seen["images"]  # the PNG decodes
+    assert len(seen["links"]) + len(seen["images"]) == len(headless.links_and_images(target))
+    for href in seen["links"]:  # every link, as the browser resolved it, names a file that exists
+        parts = urlsplit(href)
+        assert parts.scheme == "file" and Path(unquote(parts.path)).is_file(), href
+    assert any(h.endswith("/_trends/tiny.csv") for h in seen["links"])
+    assert (tmp_path / "trends.png").stat().st_size > 5_000

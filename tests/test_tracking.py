@@ -1,11 +1,14 @@
 """workflow/tracking.py against a real MLflow store (SQLite in a temporary directory).
 
 The evidence directory is built by hand with workflow.evidence (config, summary, env, checkpoint,
-two stage records and their outputs, then the manifest), the way seal.py lays it out.
+two stage records and their outputs, then the manifest), the way seal.py lays it out. The parent run's
+headline is checked on a fuller one (`headline_ev`: tests/handbuilt.py plus bench cells of three runs,
+quality, overlap and audit records, a GPU env), which tests/test_tracking_server.py logs to a real server.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -13,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import handbuilt
 from workflow import tracking
-from workflow.evidence import Stage, write_json, write_manifest, write_text
+from workflow.evidence import Stage, read_json, write_json, write_manifest, write_text
 
 EID = "abc1234-c0123abcd-r1"
 STAGES = ("compare", "oracle")  # stage records sort by name
@@ -112,10 +116,17 @@ def test_parent_and_one_child_per_stage(ev, uri, client):
     assert parent.info.status == "FINISHED"
     tags = parent.data.tags
     assert tags["evident.id"] == EID
-    assert tags["commit"] == "abc1234" and tags["device"] == "cpu"
-    assert tags["verdict"] == "all_token_text_exact"
+    assert tags["commit"] == "abc1234" and tags["device"] == "cpu" and tags["dirty"] == "false"
+    assert "dirty.diff" not in tags and "gpu" not in tags  # a clean id, a CPU env
+    assert tags["verdict"] == "all_token_text_exact" and tags["parity.verdict"] == "all_token_text_exact"
     assert parent.data.params == {"campaign": "t1", "device": "cpu", "dtype": "float32"}
-    assert artifact_paths(client, parent.info.run_id) == PARENT_FILES | {"MANIFEST.json"}
+    assert parent.data.metrics == {"parity.cells": 4.0, "parity.cells_exact": 4.0}
+    assert artifact_paths(client, parent.info.run_id) == PARENT_FILES | {"MANIFEST.json", tracking.SUMMARY_VIEW}
+    # the campaign's times: the first stage's start, the seal's end (whole seconds: the records' resolution)
+    records = [read_json(ev / "stages" / f"{s}.json") for s in STAGES]
+    assert parent.info.start_time == tracking.ms(min(r["started_utc"] for r in records))
+    assert parent.info.end_time == tracking.ms(read_json(ev / "MANIFEST.json")["sealed_utc"])
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
     children = {r.data.tags["evident.stage"]: r for r in runs if r.data.tags.get("evident.kind") == "stage"}
     assert sorted(children) == sorted(STAGES)
@@ -211,3 +222,141 @@ def test_failed_stage_child_is_kept_on_replay(ev, uri, client):
     assert client.get_run(first["child_run_ids"]["parity"]).info.status == "FAILED"
     second = seal(ev, uri)
     assert second == first
+
+
+# --- the parent run's headline ---------------------------------------------------------------
+
+HEADLINE_EID = "abcdef1-dirty1234abcd-c11111111-r1"
+CAMPAIGN_START = "2026-01-01T00:00:00Z"  # the first stage's start, written into its record below
+# what the parent run of `headline_ev` must carry (tests/test_tracking_server.py checks the same over REST)
+HEADLINE_METRICS = {
+    "bench.single-b1.tpot_p50_ms": 10.0, "bench.single-b1.tok_s": 100.0,
+    "bench.single-graph-b8.tpot_p50_ms": 2.0, "bench.single-graph-b8.tok_s": 4000.0,
+    "bench.hf-b8.tpot_p50_ms": 20.0, "bench.hf-b8.tok_s": 400.0,
+    "parity.cells": 1.0, "parity.cells_exact": 1.0,
+    "quality.hf.accuracy": 0.625, "quality.engine.accuracy": 0.5,
+    "overlap.warm.b_over_a": 0.9, "overlap.scrubbed.b_over_a": 1.1,
+}
+HEADLINE_TAGS = {
+    "evident.id": HEADLINE_EID, "evident.kind": "parent", "commit": "abcdef1", "dirty": "true",
+    "dirty.diff": "1234abcd", "device": "cpu", "gpu": "NVIDIA H200", "gpu.count": "2",
+    "verdict": "all_token_text_exact", "parity.verdict": "all_token_text_exact", "quality.verdict": "pass",
+    "overlap.verdict": "b_faster", "audit.verdict": "ok",
+}
+HEADLINE_ARTIFACTS = {"SUMMARY.md", tracking.SUMMARY_VIEW, "config.yaml", "env.json", "checkpoint.json",
+                      "MANIFEST.json", "plots/bench.png", "plots/overlap.png"}
+
+
+def build_headline(root: Path) -> Path:
+    """tests/handbuilt.py's directory (unsealed) with what a GPU campaign adds: bench cells of the graph path
+    and of hf, quality, overlap and audit records, two GPUs in env.json, a first stage at CAMPAIGN_START."""
+    ev = handbuilt.build(root, "head", HEADLINE_EID, seal=False)
+    env = read_json(ev / "env.json")
+    write_json(ev / "env.json", {**env, "gpus": ["NVIDIA H200", "NVIDIA H200"]})
+    with Stage(ev, "bench-single-graph") as st:  # the cell names its decode path (`kernels`), not its file
+        st.write_json("bench/single-b8.json", {**handbuilt.cell("single", 8, tpot=2.0), "kernels": "graph"})
+    with Stage(ev, "bench-hf") as st:  # hf runs transformers' own path whatever `kernels` says: no suffix
+        st.write_json("bench/hf-b8.json", {**handbuilt.cell("hf", 8, tpot=20.0), "kernels": "graph"})
+        st.write_json("bench/not-a-cell.json", {"note": "a stage may write other documents"})
+    with Stage(ev, "quality") as st:
+        st.metrics.update(hf_correct=5, hf_accuracy=0.625, hf_invalid=0, engine_correct=4, engine_accuracy=0.5,
+                          engine_invalid=1, flips=1)
+        st.tags["quality.verdict"] = "pass"
+    with Stage(ev, "overlap") as st:
+        st.add_file(write_text(ev / "plots/overlap.png", "png bytes"))
+        st.metrics.update(bitwise_inputs=4, bitwise_equal=1, warm_a_median_us=10.0, warm_b_median_us=9.0,
+                          warm_b_over_a=0.9, scrubbed_a_median_us=10.0, scrubbed_b_median_us=11.0,
+                          scrubbed_b_over_a=1.1)
+        st.tags["overlap.verdict"] = "b_faster"
+    with Stage(ev, "kernel_audit") as st:
+        st.tags["audit.verdict"] = "ok"
+    with pytest.raises(RuntimeError), Stage(ev, "bench-collective") as st:  # failed: none of its numbers count
+        st.write_json("bench/collective-b1.json", handbuilt.cell("collective", 1, tpot=99.0))
+        raise RuntimeError("rank 1 died")
+    with Stage(ev, "context"):
+        pass
+    rec = read_json(ev / "stages/context.json")
+    write_json(ev / "stages/context.json", {**rec, "started_utc": CAMPAIGN_START})
+    return ev
+
+
+@pytest.fixture
+def headline_ev(tmp_path) -> Path:
+    return build_headline(tmp_path / "evidence")
+
+
+def test_parent_carries_the_headline(headline_ev, uri, client):
+    ids = seal(headline_ev, uri)
+    parent = client.get_run(ids["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics == pytest.approx(HEADLINE_METRICS)
+    assert {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")} == HEADLINE_TAGS
+    assert parent.info.start_time == tracking.ms(CAMPAIGN_START) == 1767225600000
+    sealed = read_json(headline_ev / "MANIFEST.json")["sealed_utc"]
+    assert parent.info.end_time == tracking.ms(sealed) > parent.info.start_time
+    assert artifact_paths(client, parent.info.run_id) == HEADLINE_ARTIFACTS
+    assert (Path(client.download_artifacts(parent.info.run_id, "plots/bench.png")).read_bytes()
+            == (headline_ev / "plots/bench.png").read_bytes())
+    # the children carry the identity tags too, the gate verdicts stay on the parent and the deciding stage
+    child = client.get_run(ids["child_run_ids"]["bench-hf"])
+    assert child.data.tags["dirty.diff"] == "1234abcd" and child.data.tags["gpu"] == "NVIDIA H200"
+    assert "quality.verdict" not in child.data.tags
+    assert client.get_experiment(ids["experiment_id"]).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_summary_renders_in_mlflow_with_its_plots(headline_ev, uri, client):
+    """MLflow's markdown view draws only images whose address has a scheme: the parent's SUMMARY-with-plots.md
+    is SUMMARY.md with the real plot as a data: URI (a PNG that decodes) and the rest word for word; a link to a
+    file that is no image stays a link."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    summary = (headline_ev / "SUMMARY.md").read_text()
+    write_text(headline_ev / "SUMMARY.md", summary + "\n![overlap](plots/overlap.png)\n")
+    run_id = seal(headline_ev, uri)["parent_run_id"]
+    view = Path(client.download_artifacts(run_id, tracking.SUMMARY_VIEW)).read_text()
+    assert "](plots/bench.png)" not in view and "![overlap](plots/overlap.png)" in view  # "png bytes": no image
+    data = re.search(r"!\[[^\]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", view)
+    with Image.open(io.BytesIO(base64.b64decode(data.group(1)))) as im:
+        assert im.format == "PNG" and max(im.size) <= 900
+    assert re.sub(r"\(data:image/png;base64,[^)]+\)", "(plots/bench.png)", view) == (
+        headline_ev / "SUMMARY.md").read_text()
+    assert len(view.encode()) < 100_000  # MLflow renders it rather than opening it as source
+
+
+def test_headline_logged_once_when_the_parent_is_reused(headline_ev, uri, client):
+    first = tracking.log_evidence(headline_ev, uri=uri)  # a seal killed before the manifest: parent RUNNING
+    assert client.get_run(first["parent_run_id"]).info.status == "RUNNING"
+    assert seal(headline_ev, uri) == first
+    assert seal(headline_ev, uri) == first  # and a sync of the sealed directory
+    parent = client.get_run(first["parent_run_id"])
+    assert parent.data.metrics == pytest.approx(HEADLINE_METRICS)
+    assert {k: len(client.get_metric_history(parent.info.run_id, k)) for k in HEADLINE_METRICS} \
+        == dict.fromkeys(HEADLINE_METRICS, 1)
+    assert parent.info.start_time == tracking.ms(CAMPAIGN_START)
+    assert artifact_paths(client, parent.info.run_id) == HEADLINE_ARTIFACTS
+
+
+def test_experiment_kind_is_set_once_and_never_overridden(ev, uri, client):
+    exp_id = client.create_experiment("t1")  # made before the tag existed
+    seal(ev, uri)
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    client.set_experiment_tag(exp_id, "mlflow.experimentKind", "genai_development")  # someone's choice
+    tracking.log_evidence(ev, uri=uri)
+    assert client.get_experiment(exp_id).tags["mlflow.experimentKind"] == "genai_development"
+
+
+@pytest.mark.parametrize("eid, tags", [
+    ("abc1234-c0123abcd-r1", {"commit": "abc1234", "dirty": "false"}),
+    ("abc1234-dirty0f0f0f0f-c0123abcd-r2", {"commit": "abc1234", "dirty": "true", "dirty.diff": "0f0f0f0f"}),
+    ("0000000-dirtyffffffff-c0123abcd-r1", {"commit": "0000000", "dirty": "true", "dirty.diff": "ffffffff"}),
+])
+def test_id_tags(eid, tags):
+    assert tracking.id_tags(eid) == tags
+
+
+def test_times_are_ms_since_the_epoch():
+    assert tracking.ms("1970-01-01T00:00:01Z") == 1000
+    assert tracking.ms(None) is None

@@ -8,6 +8,9 @@
   evident prune [--unsealed] [--older-than D [--sealed]] [--campaign C] [--dry-run]
                                  remove failed or old directories, and mark their MLflow runs deleted
   evident html                   rewrite the static HTML archive (evidence/index.html)
+  evident trend [--campaign C] [--cell CELL] [--metric M]
+                                 each bench cell and gate over a campaign's directories, regressions flagged
+  evident ui [--port P]          MLflow's UI on this directory's store, on 127.0.0.1 (installed on first use)
   evident run [SNAKEMAKE ARGS]   check the --configfile campaign files, then run snakemake with these arguments
 
 An ID is an evidence id, `campaign/id`, a path, or any part of an id that matches one directory (`c526`,
@@ -27,7 +30,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from workflow import archive, diff, pages, prune
+from workflow import archive, diff, pages, prune, trend, ui
+from workflow.terminal import age, fit, num, pct, ratio, size, table, wrap
 
 MISMATCH, ERROR = 1, 2
 ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
@@ -43,18 +47,6 @@ def _load(args, ref: str) -> archive.Evidence:
     return archive.load(archive.resolve(ref, args.root), _records(args))
 
 
-def _num(v, fmt: str = ".4g") -> str:
-    return "—" if v is None else (format(v, fmt) if isinstance(v, float) else str(v))
-
-
-def _pct(v) -> str:
-    return "—" if v is None else f"{v:+.1f}%"
-
-
-def _table(header, rows) -> str:
-    return tabulate(rows, headers=header, tablefmt="simple", disable_numparse=True)
-
-
 # --- ls, show --------------------------------------------------------------------------------
 
 def cmd_ls(args) -> int:
@@ -68,7 +60,7 @@ def cmd_ls(args) -> int:
     gates = list(dict.fromkeys(g for e in entries for g in e.gates))
     rows = [[e.path.parent.name, e.id, (e.created or "—").replace("T", " "), e.commit, e.device,
              *(e.gates.get(g, "—") for g in gates), e.tracking.get("status", "?"), e.state] for e in entries]
-    print(_table(["campaign", "id", "created (UTC)", "commit", "device", *gates, "mlflow", "state"], rows))
+    print(table(["campaign", "id", "created (UTC)", "commit", "device", *gates, "mlflow", "state"], rows))
     return 0
 
 
@@ -87,9 +79,9 @@ def cmd_show(args) -> int:
     ]
     print(tabulate(facts, tablefmt="plain"))
     print()
-    print(_table(["stage", "status", "seconds", "note"],
-                 [[r.get("name"), r.get("status"), _num(r.get("seconds")), r.get("error") or r.get("reason") or ""]
-                  for r in ev.records]))
+    print(table(["stage", "status", "seconds", "note"],
+                [[r.get("name"), r.get("status"), num(r.get("seconds")), r.get("error") or r.get("reason") or ""]
+                 for r in ev.records]))
     summary = ev.path / "SUMMARY.md"
     if summary.is_file():
         print()
@@ -101,6 +93,18 @@ def cmd_show(args) -> int:
 
 # --- diff ------------------------------------------------------------------------------------
 
+def _bench_rows(cells: list[dict]) -> tuple[list[list], list[str]]:
+    """One row per cell, its reason a numbered footnote (the same reason, the same number)."""
+    notes: dict[str, int] = {}
+    rows = []
+    for c in cells:
+        claim = c["claim"]
+        if c["reason"]:
+            claim += f" [{notes.setdefault(c['reason'], len(notes) + 1)}]"
+        rows.append([c["cell"], num(c["a_tpot_p50_ms"]), num(c["b_tpot_p50_ms"]), ratio(c["tpot_p50_ratio"]), claim])
+    return rows, [wrap(reason, f"  [{n}] ", " " * (len(str(n)) + 5)) for reason, n in notes.items()]
+
+
 def cmd_diff(args) -> int:
     a, b = _load(args, args.a), _load(args, args.b)
     d = diff.diff(a, b)
@@ -109,24 +113,26 @@ def cmd_diff(args) -> int:
         return 0
     print(f"A (baseline): {d['a']}\nB (current):  {d['b']}\n")
     print("What limits the comparison:")
-    print("\n".join(f"  - {x}" for x in d["limits"]) or "  nothing: same campaign, config, versions and checkpoint")
+    print("\n".join(wrap(x, "  - ", "    ") for x in d["limits"])
+          or "  nothing: same campaign, config, versions and checkpoint")
     print("\nVerdict changes:")
-    print(_table(["what", "A", "B"], [[v["what"], v["a"] or "—", v["b"] or "—"] for v in d["verdicts"]])
+    print(fit(["what", "A", "B"], [[v["what"], v["a"] or "—", v["b"] or "—"] for v in d["verdicts"]])
           if d["verdicts"] else "  none")
     if d["bench"]:
-        print("\nDecode benchmark (B against A; a claim needs the same contract, versions and model, no noisy cell, "
-              "and a TPOT p50 change beyond the noise):")
-        print(_table(["backend", "batch", "TPOT p50 A (ms)", "B", "change", "tok/s A", "B", "change", "claim", "reason"],
-                     [[c["backend"], c["batch"], _num(c["a_tpot_p50_ms"]), _num(c["b_tpot_p50_ms"]),
-                       _pct(c["tpot_p50_change_pct"]), _num(c["a_tok_s"]), _num(c["b_tok_s"]),
-                       _pct(c["tok_s_change_pct"]), c["claim"], c["reason"] or ""] for c in d["bench"]]))
+        print("\n" + wrap("Decode benchmark, B against A (steady TPOT p50 in ms; B/A below 1: B is faster). A claim "
+                          "needs the same contract, versions and model, no noisy cell and a TPOT p50 change beyond "
+                          "the noise; [n]: why a cell has none. tok/s and every field: --json."))
+        rows, notes = _bench_rows(d["bench"])
+        print(fit(["cell", "A TPOT p50 (ms)", "B", "B/A", "claim"], rows))
+        if notes:
+            print("\n".join(notes))
     changed = [x for x in d["metrics"] if x["a"] != x["b"]]
     if d["metrics"]:
-        print(f"\nStage metrics ({len(d['metrics']) - len(changed)} equal, not shown; single values carry no noise "
-              "estimate, so they make no directional claim):")
-        print(_table(["metric", "A", "B", "delta", "change"],
-                     [[x["metric"], _num(x["a"]), _num(x["b"]), _num(x["delta"]), _pct(x["delta_pct"])]
-                      for x in changed]) if changed else "  none changed")
+        print("\n" + wrap(f"Stage metrics ({len(d['metrics']) - len(changed)} equal, not shown; single values carry "
+                          "no noise estimate, so they make no directional claim):"))
+        print(fit(["metric", "A", "B", "delta", "change"],
+                  [[x["metric"], num(x["a"]), num(x["b"]), num(x["delta"]), pct(x["delta_pct"])]
+                   for x in changed]) if changed else "  none changed")
     return 0
 
 
@@ -186,20 +192,6 @@ def cmd_sync(args) -> int:
 
 # --- prune -----------------------------------------------------------------------------------
 
-def _age(seconds: float) -> str:
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= n:
-            return f"{seconds / n:.1f}{unit} old"
-    return f"{max(seconds, 0):.0f}s old"
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def _age_arg(text: str) -> float:
     try:
         return prune.parse_age(text)
@@ -243,19 +235,19 @@ def cmd_prune(args) -> int:
     if not plan:
         print(f"nothing to prune under {root.as_posix()}/" + (f"{args.campaign}/" if args.campaign else ""))
         return 0
-    removed, kept, skipped, failed, size, down = 0, 0, 0, 0, 0, []
+    removed, kept, skipped, failed, freed, down = 0, 0, 0, 0, 0, []
     for p in plan:
-        name, what = archive.label(p.path), f"{p.reason}, {_age(p.age_s)}, {_size(p.size)}"
+        name, what = archive.label(p.path), f"{p.reason}, {age(p.age_s)}, {size(p.size)}"
         if p.action == "keep":
             kept += 1
-            print(f"{'kept':<12}  {name}: {p.reason} ({_age(p.age_s)})")
+            print(f"{'kept':<12}  {name}: {p.reason} ({age(p.age_s)})")
             continue
         if p.action == "skip":
             skipped += 1
             print(f"{'skipped':<12}  {name}: {p.reason}")
             continue
         if args.dry_run:
-            removed, size = removed + 1, size + p.size
+            removed, freed = removed + 1, freed + p.size
             print(f"{'would remove':<12}  {name}: {what}")
             continue
         try:
@@ -268,9 +260,9 @@ def cmd_prune(args) -> int:
             failed += 1
             print(f"{'FAIL':<12}  {name}: {type(e).__name__}: {e}")
             continue
-        removed, size = removed + 1, size + p.size
+        removed, freed = removed + 1, freed + p.size
         print(f"{'removed':<12}  {name}: {what}; {_forget(p.evidence, args.tracking_uri, down)}")
-    dirs = f"{removed} director{'y' if removed == 1 else 'ies'} ({_size(size)})"
+    dirs = f"{removed} director{'y' if removed == 1 else 'ies'} ({size(freed)})"
     total = [f"would remove {dirs}; nothing removed (--dry-run)" if args.dry_run else f"removed {dirs}"]
     total += [f"kept {kept} sealed"] if kept else []
     total += [f"skipped {skipped} held by a running snakemake"] if skipped else []
@@ -361,6 +353,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("html", help="rewrite the static HTML archive")
     p.add_argument("--tracking-uri", default=None, help="an http(s) MLflow server to link runs to")
     p.set_defaults(func=cmd_html)
+    trend.add_parser(sub)
+    ui.add_parser(sub)
     sub.add_parser("run", help="check the --configfile campaign files, then run snakemake with the same arguments",
                    add_help=False)  # main() hands its arguments to snakemake before argparse sees them
     return ap

@@ -10,7 +10,7 @@ import math
 from workflow import benchstats
 from workflow.archive import Evidence, as_dict
 from workflow.evidence import flatten
-from workflow.runs import run_name
+from workflow.runs import label, label_key, run_name
 
 IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
 """Config keys that differ between comparable runs by design: they do not limit a comparison."""
@@ -20,16 +20,24 @@ def _changed(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def _bench_cells(ev: Evidence) -> dict[tuple, dict]:
-    cells = {}
+def bench_cells(ev: Evidence) -> dict[str, list[tuple[str, dict]]]:
+    """Bench cells by label (`single-graph-b8`, runs.label): the run name carries the decode path, so two paths at
+    one backend and batch are two cells. A record without `kernels` predates it: the torch path. Every file that
+    claims a cell is kept, so that two of them are reported, not one silently chosen."""
+    cells: dict[str, list[tuple[str, dict]]] = {}
     for p in sorted((ev.path / "bench").glob("*-b*.json")):
         cell = ev.read(f"bench/{p.name}")
         if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
             try:
-                cells[(str(cell["backend"]), int(cell["batch"]))] = cell
+                key = label(str(cell["backend"]), str(cell.get("kernels", "torch")), int(cell["batch"]))
             except (TypeError, ValueError, OverflowError):
                 continue
+            cells.setdefault(key, []).append((p.name, cell))
     return cells
+
+
+def _ratio(b: float | None, a: float | None) -> float | None:
+    return None if a is None or b is None or a == 0 else b / a
 
 
 def _stat(cell: dict | None, *keys):
@@ -43,14 +51,21 @@ def _stat(cell: dict | None, *keys):
 
 
 def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
-    """Per bench cell: both TPOT p50 and tok/s, their change, and bench_report's directional claim
-    (A is the baseline, B the current run): a claim only where contract, versions and model match
-    and neither cell is noisy."""
-    ca, cb = _bench_cells(a), _bench_cells(b)
+    """Per bench cell (`cell`: its run name and batch, `single-graph-b8`): both TPOT p50 and tok/s, their change
+    and ratio B/A, and bench_report's directional claim (A is the baseline, B the current run): a claim only
+    where contract, versions and model match and neither cell is noisy. Changes and ratios only where the two
+    cells measured the same thing (as benchstats.directional_claim says), None otherwise."""
+    ca, cb = bench_cells(a), bench_cells(b)
     out = []
-    for key in sorted(set(ca) | set(cb)):
-        x, y = ca.get(key), cb.get(key)
-        if x is None or y is None:
+    for key in sorted(set(ca) | set(cb), key=label_key):
+        xs, ys = ca.get(key, []), cb.get(key, [])
+        x, y = (xs[0][1] if xs else None), (ys[0][1] if ys else None)
+        several = [f"{side} has {len(files)} files for this cell ({', '.join(n for n, _ in files)})"
+                   for side, files in (("A", xs), ("B", ys)) if len(files) > 1]
+        if several:
+            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
+                     "reason": "; ".join(several)}
+        elif x is None or y is None:
             claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
                      "reason": f"only in {'B' if x is None else 'A'}"}
         else:
@@ -59,13 +74,20 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
             except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
                 claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
                          "reason": f"malformed cell: {e}"}
-        out.append({"backend": key[0], "batch": key[1],
-                    "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
-                    "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim})
+        either = y if y is not None else x
+        row = {"cell": key, "backend": str(either["backend"]),
+               "kernels": str(either.get("kernels", "torch")), "batch": int(either["batch"]),
+               "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
+               "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim}
+        same = claim["tpot_p50_change_pct"] is not None
+        row["tpot_p50_ratio"] = _ratio(row["b_tpot_p50_ms"], row["a_tpot_p50_ms"]) if same else None
+        row["tok_s_ratio"] = _ratio(row["b_tok_s"], row["a_tok_s"]) if same else None
+        out.append(row)
     return out
 
 
-def _number(v) -> float | None:
+def number(v) -> float | None:
+    """v as a float where it is a finite number (not a bool), else None."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
     return float(v)
@@ -78,7 +100,7 @@ def metric_diff(a: Evidence, b: Evidence) -> list[dict]:
     mb = {f"{r['name']}.{k}": v for r in b.records for k, v in r.get("metrics", {}).items()}
     out = []
     for k in sorted(set(ma) | set(mb)):
-        x, y = _number(ma.get(k)), _number(mb.get(k))
+        x, y = number(ma.get(k)), number(mb.get(k))
         delta = None if x is None or y is None else y - x
         pct = None if delta is None or x == 0 else delta / abs(x) * 100.0
         out.append({"metric": k, "a": ma.get(k), "b": mb.get(k), "delta": delta, "delta_pct": pct})

@@ -146,6 +146,11 @@ def _git(code_dir: Path, *args: str) -> bytes | None:
         return None
 
 
+def commit_history(code_dir: str | Path) -> list[str]:
+    """The commits of HEAD's history in code_dir, oldest first, parents before children; [] without git."""
+    return (_git(Path(code_dir), "rev-list", "--topo-order", "--reverse", "HEAD") or b"").decode().split()
+
+
 # What can change results, and so what the evidence id's code part covers: the project's code, rules, schema,
 # packaging and the embedded default campaign (config/config.yaml is code: it is what runs without
 # --configfile). NOT covered: campaign files under config/campaigns/ (what a campaign resolves to is the

@@ -7,84 +7,21 @@ one (a campaign's folder holds evidence directories only; `_` starts no campaign
 with inline CSS, relative links only and every text escaped, so the archive can be moved, served by
 any static server or opened from the file system. No local paths or host names are written; the one
 exception is an http(s) tracking server, which is where the MLflow links have to point.
-The whole archive (every campaign, every id) is rewritten on each run.
+The whole archive (every campaign, every id) is rewritten on each run, and with it each campaign's trends
+(workflow/trend_page.py): `evidence/_trends/<campaign>.{png,csv}` and the page `_pages/_trends/<campaign>.html`
+that shows them, for every campaign with a sealed directory. The HTML itself is workflow/markup.py's.
 """
 
 from __future__ import annotations
 
-import html
 import os
 import re
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
-from workflow import archive
+from workflow import archive, trend_page
 from workflow.evidence import MANIFEST, list_files, write_text
-
-PAGES = "_pages"
-GENERATOR = "evident archive"
-"""Marks the pages written here, so that a page whose directory is gone can be removed safely."""
-
-CSS = """
-body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; margin: 0; background: #f6f8fa; }
-main { max-width: 1320px; margin: 0 auto; padding: 20px 28px 48px; background: #fff; min-height: 100vh; }
-h1 { font-size: 24px; margin: 4px 0 10px; word-break: break-all; } h2 { font-size: 19px; margin-top: 30px; border-bottom: 1px solid #d0d7de; padding-bottom: 4px; }
-h3, h4 { font-size: 16px; margin-top: 22px; } nav { font-size: 13px; color: #57606a; } nav a { color: #0969da; }
-a { color: #0969da; text-decoration: none; } a:hover { text-decoration: underline; }
-table { border-collapse: collapse; margin: 8px 0 14px; font-size: 13px; } th, td { border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }
-th { background: #f6f8fa; } tr:nth-child(even) td { background: #fbfcfd; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; background: #eff1f3; padding: 1px 4px; border-radius: 4px; }
-.badge { display: inline-block; font-size: 12px; padding: 1px 8px; border-radius: 10px; margin: 1px 4px 1px 0; border: 1px solid; white-space: nowrap; }
-.good { background: #dafbe1; color: #116329; border-color: #4ac26b; } .warn { background: #fff8c5; color: #7d4e00; border-color: #d4a72c; }
-.bad { background: #ffebe9; color: #a40e26; border-color: #ff8182; } .neutral { background: #eff1f3; color: #57606a; border-color: #d0d7de; }
-.index { overflow-x: auto; } .index td:nth-child(-n+4) { white-space: nowrap; } figure { margin: 10px 0; } img { max-width: 100%; border: 1px solid #d0d7de; } .muted { color: #57606a; font-size: 13px; }
-"""
-
-BAD = ("fail", "regression", "gap", "mismatch", "slower", "spill", "missing", "changed")
-WARN = ("near_tie", "pending", "unsealed", "skipped", "noisy", "no directional", "unknown", "not in manifest")
-GOOD = ("exact", "ok", "pass", "logged", "synced", "sealed", "faster")
-
-
-class Raw(str):
-    """Markup that is already escaped."""
-
-
-def esc(value) -> str:
-    return value if isinstance(value, Raw) else html.escape("" if value is None else str(value))
-
-
-def url(rel: str) -> str:
-    return quote(rel, safe="/#:")
-
-
-def link(rel: str, text) -> Raw:
-    return Raw(f'<a href="{esc(url(rel))}">{esc(text)}</a>')
-
-
-def tone(value) -> str:
-    v = str(value).lower()
-    for name, words in (("bad", BAD), ("warn", WARN), ("good", GOOD)):
-        if any(w in v for w in words):
-            return name
-    return "neutral"
-
-
-def badge(value, text=None) -> Raw:
-    return Raw(f'<span class="badge {tone(value)}">{esc(value if text is None else text)}</span>')
-
-
-def table(header: list, rows: list[list], numeric: set[int] = frozenset()) -> Raw:
-    head = "".join(f"<th>{esc(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td{" class=num" if i in numeric else ""}>{esc(c)}</td>' for i, c in enumerate(r))
-                   + "</tr>" for r in rows)
-    return Raw(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-
-
-def page(title: str, body: str) -> str:
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f'<meta name="generator" content="{GENERATOR}"><title>{esc(title)}</title>'
-            f"<style>{CSS}</style></head>\n<body><main>\n{body}\n</main></body></html>\n")
+from workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
 
 
 # --- SUMMARY.md: the subset of markdown it is written in ------------------------------------
@@ -168,6 +105,15 @@ def ui_base(uri: str | None) -> str | None:
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path.rstrip('/')}"
 
 
+# MLflow 3's UI opens an experiment on its GenAI overview unless the URL (or the browser's last choice) says
+# "Machine learning": then on the runs table (workflow/tracking.py's docstring has what else it offers)
+VIEW = "?workflowType=machine_learning"
+
+
+def run_link(ui: str, track: dict, rid: str, text) -> Raw:
+    return link(f"{ui}/#/experiments/{track.get('experiment_id')}/runs/{rid}{VIEW}", text)
+
+
 def mlflow_section(ev: archive.Evidence, ui: str | None) -> str:
     track = ev.tracking
     status = track.get("status", "unknown")
@@ -178,14 +124,14 @@ def mlflow_section(ev: archive.Evidence, ui: str | None) -> str:
         return f"<p>{badge(status)} {_inline(hint.get(status, 'no MLflow runs recorded'))}</p>"
 
     def run(rid):
-        return link(f"{ui}/#/experiments/{exp}/runs/{rid}", rid) if ui else Raw(f"<code>{esc(rid)}</code>")
+        return run_link(ui, track, rid, rid) if ui else Raw(f"<code>{esc(rid)}</code>")
 
     rows = [["parent (this directory)", run(parent)]]
     rows += [[f"stage {name}", run(rid)] for name, rid in sorted((track.get("child_run_ids") or {}).items())]
     if ui:
-        where = Raw(f"experiment {link(f'{ui}/#/experiments/{exp}', exp)} on the tracking server")
+        where = Raw(f"experiment {link(f'{ui}/#/experiments/{exp}{VIEW}', exp)} on the tracking server")
     else:
-        where = Raw(_inline(f"experiment `{exp}` in the working directory's MLflow store: run `mlflow ui` "
+        where = Raw(_inline(f"experiment `{exp}` in the working directory's MLflow store: run `evident ui` "
                             f"there (the default store is `mlflow.db`) and open experiment `{ev.campaign}`"))
     return f"<p>{badge(status)} {where}</p>\n{table(['run', 'run id'], rows)}"
 
@@ -280,7 +226,8 @@ def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
     return page(f"{ev.label} — evident", "\n".join(body))
 
 
-def index_page(entries: list[archive.Evidence], ui: str | None) -> str:
+def index_page(entries: list[archive.Evidence], ui: str | None, trends: frozenset[str] = frozenset()) -> str:
+    """`trends`: the campaigns with a trends page (trend_page.write_trends), linked under their heading."""
     body = ["<h1>Evidence archive</h1>"]
     campaigns = sorted({e.path.parent.name for e in entries})
     if not entries:
@@ -295,15 +242,20 @@ def index_page(entries: list[archive.Evidence], ui: str | None) -> str:
         rows = []
         for e in (e for e in entries if e.path.parent.name == camp):
             summary = link(f"{camp}/{e.id}/SUMMARY.md", "SUMMARY.md") if (e.path / "SUMMARY.md").is_file() else "—"
-            track = e.tracking.get("status", "unknown")
+            track = badge(e.tracking.get("status", "unknown"))
+            if ui and e.tracking.get("parent_run_id"):  # a server is up: the badge opens the parent run
+                track = run_link(ui, e.tracking, e.tracking["parent_run_id"], track)
             rows.append([link(f"{PAGES}/{camp}/{e.id}.html", e.id), e.created or "—", Raw(f"<code>{esc(e.commit)}</code>"),
-                         f"{e.device} / {e.config.get('dtype', '?')}", _gates(e), badge(e.state), badge(track), summary])
-        body += [f'<h2 id="{esc(camp)}">{esc(camp)}</h2>', "<div class=index>",
+                         f"{e.device} / {e.config.get('dtype', '?')}", _gates(e), badge(e.state), track, summary])
+        body.append(f'<h2 id="{esc(camp)}">{esc(camp)}</h2>')
+        if camp in trends:
+            body.append(trend_page.index_line(camp))
+        body += ["<div class=index>",
                  table(["evidence", "created (UTC)", "commit", "device / dtype", "verdicts", "state", "MLflow", ""], rows),
                  "</div>"]
     if entries and not ui:
-        body.append("<p class=muted>MLflow runs are in the working directory's store: <code>mlflow ui</code> there "
-                    "shows them (each page lists its run ids).</p>")
+        body.append("<p class=muted>MLflow runs are in the working directory's store: <code>evident ui</code> there "
+                    "shows them and, while it runs, links these pages to them (each page lists its run ids).</p>")
     return page("Evidence archive — evident", "\n".join(body))
 
 
@@ -316,7 +268,9 @@ def write_archive(root: str | Path = archive.ROOT, tracking_uri: str | None = No
     entries = archive.listing(root, records=records)
     written = [write_text(page_of(root, e), evidence_page(e, ui)) for e in entries]
     for stale in (root / PAGES).glob("*/*.html"):
-        if not (root / stale.parent.name / stale.stem).is_dir() and GENERATOR in stale.read_text(errors="replace")[:600]:
+        if (stale.parent.name[0].isalnum() and not (root / stale.parent.name / stale.stem).is_dir()
+                and ours(stale)):
             stale.unlink()
-    written.append(write_text(root / "index.html", index_page(entries, ui)))
+    trends = trend_page.write_trends(root, entries)
+    written.append(write_text(root / "index.html", index_page(entries, ui, frozenset(trends))))
     return written

@@ -53,6 +53,12 @@ def label(backend: str, kernels: str, batch: int) -> str:
     return f"{run_name(backend, kernels)}-b{batch}"
 
 
+def label_key(name: str) -> tuple:
+    """Orders labels by run name, then by batch as a number (`single-b8` before `single-b16`)."""
+    run, _, batch = name.rpartition("-b")
+    return (run, int(batch) if batch.isdigit() else 0, name)
+
+
 def wildcard_constraints(backends: tuple[str, ...]) -> dict[str, str]:
     """The `backend` and `kernels` wildcards of a rule's output `.../{backend}{kernels}-b<B>.json` (a rule
     without the `kernels` wildcard ignores its constraint)."""

@@ -2,20 +2,59 @@
 
 The evidence directory is the source of truth; this module only replays it into MLflow, finding
 runs by tag so that logging twice never creates a duplicate.
+
+The parent run carries the headline, so that runs compare in the MLflow UI's runs table and compare view
+without opening a child (all read from the stage records, bench cells and env.json; `headline`):
+
+- times: start = the first stage's `started_utc`, end = the manifest's `sealed_utc` (set by `finish`);
+  the records keep whole seconds, so the times are whole seconds too.
+- tags: `evident.id`, `evident.kind` = parent, `commit` (the id's 7 characters), `dirty` (`true`/`false`, from
+  the id) and `dirty.diff` (the id's 8-character diff hash, when dirty), `device` (the campaign's), `gpu` (the
+  distinct names of env.json's `gpus`) and `gpu.count` (CUDA only), `verdict` (the parity verdict, as on every
+  run) and `<gate>.verdict` for every gate whose stage ran (`workflow/gates.py`).
+- metrics, named `<section>.<subject>.<quantity>` (MLflow names allow letters, digits, `_ - . / : space`;
+  any other character of a subject becomes `_`):
+  `bench.<backend><path>-b<B>.tpot_p50_ms` and `.tok_s` per bench cell, named as `runs.label` names a run
+  (`bench.single-b1`, `bench.single-graph-b8`, `bench.hf-b8`: the path suffix is empty for torch), from
+  the cell's steady TPOT p50 and decode tok/s; `parity.cells`, `parity.cells_exact` (the compare record);
+  `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
+  median ratio per timing envelope, `warm` and `scrubbed`). Only records with status ok count.
+- artifacts: SUMMARY.md, config.yaml, env.json, checkpoint.json, MANIFEST.json and `plots/*.png` under
+  `plots/`, the path SUMMARY.md's image links name. MLflow 3.17.2's markdown artifact view does not resolve
+  those links: it renders an image only when its URL has a scheme (`data:`, `http:` ...) and prints a
+  relative one as `[alt](plots/x.png)` text. So the parent also gets `SUMMARY-with-plots.md` (`summary_view`):
+  SUMMARY.md with each plot embedded as a data: URI, which MLflow renders with its plots.
+
+The experiment is created with the tag `mlflow.experimentKind` = `custom_model_development` (set too on an
+experiment that lacks it). MLflow 3's UI knows the kinds `genai_development` (opens on the GenAI overview or
+traces) and `custom_model_development` ("Machine learning": opens on the runs table), plus the
+`*_inferred`, `no_inferred_type`, `finetuning`, `forecasting`, `classification`, `regression`, `automl` labels.
+MLflow 3.17.2's UI reads the tag only when its workflow-type switch is off; it is on in the released UI,
+which takes the kind from that switch instead (the sidebar's GenAI / Machine learning, `?workflowType=
+machine_learning` in the URL, remembered in the browser's local storage, `genai` by default).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import datetime as _dt
 import fcntl
+import io
 import os
+import re
+import tempfile
 from pathlib import Path
 
-from workflow import gates
-from workflow.evidence import flatten, read_config, stage_records
+from workflow import gates, runs
+from workflow.evidence import MANIFEST, flatten, read_config, read_json, stage_records
 
 PARENT_FILES = ("SUMMARY.md", "config.yaml", "env.json", "checkpoint.json")
+PLOTS = "plots/*.png"  # beside SUMMARY.md, at the relative path its image links name
 MAX_PARAM_CHARS = 6000
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # "Machine learning": the runs view
+SUMMARY_VIEW = "SUMMARY-with-plots.md"
+PLOT_LINK = re.compile(r"!\[([^\]]*)\]\((plots/[^)\s]+\.png)\)")
 
 
 def client(uri: str | None = None):
@@ -59,7 +98,86 @@ def store_lock(uri: str | None = None):
 
 def _experiment_id(c, name: str) -> str:
     exp = c.get_experiment_by_name(name)
-    return exp.experiment_id if exp else c.create_experiment(name)
+    if exp is None:
+        return c.create_experiment(name, tags=EXPERIMENT_TAGS)
+    for k, v in EXPERIMENT_TAGS.items():
+        if k not in exp.tags:  # an experiment made before the tag: never overrides a kind someone chose
+            c.set_experiment_tag(exp.experiment_id, k, v)
+    return exp.experiment_id
+
+
+def ms(utc: str | None) -> int | None:
+    """An evidence time (`2026-01-01T00:00:00Z`, workflow.evidence.utc_now) as MLflow's ms since the epoch."""
+    if not utc:
+        return None
+    t = _dt.datetime.fromisoformat(utc.replace("Z", "+00:00"))
+    return int((t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)).timestamp() * 1000)
+
+
+def _name(part) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(part))
+
+
+def id_tags(eid: str) -> dict:
+    """commit and dirty from an evidence id `<commit7>[-dirty<diff8>]-c<config8>-r<N>`."""
+    parts = eid.split("-")
+    diff = parts[1].removeprefix("dirty") if len(parts) > 1 and parts[1].startswith("dirty") else None
+    return {"commit": parts[0], "dirty": "true" if diff else "false", **({"dirty.diff": diff} if diff else {})}
+
+
+def gpu_tags(root: Path) -> dict:
+    env = read_json(root / "env.json") if (root / "env.json").is_file() else {}
+    gpus = env.get("gpus") or []
+    return {"gpu": ", ".join(dict.fromkeys(map(str, gpus))), "gpu.count": str(len(gpus))} if gpus else {}
+
+
+def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]:
+    """(metrics, tags) the parent run adds to the common tags: the module docstring names them."""
+    tags = {f"{g}.verdict": v for g, v in gates.verdicts(records).items()}
+    metrics = {}
+    ok = {r["name"]: r for r in records if r.get("status") == "ok"}
+    kernels = (config.get("bench") or {}).get("kernels") or "torch"
+    for rec in ok.values():
+        if not rec["name"].startswith("bench-"):
+            continue
+        for f in rec.get("files", []):
+            if not (f.startswith("bench/") and f.endswith(".json") and (root / f).is_file()):
+                continue
+            cell = read_json(root / f)
+            if not (isinstance(cell, dict) and {"backend", "batch"} <= cell.keys() and isinstance(cell.get("stats"), dict)):
+                continue  # not a cell (a stage may write others beside)
+            name = f"bench.{_name(runs.label(cell['backend'], cell.get('kernels') or kernels, cell['batch']))}"
+            metrics[f"{name}.tpot_p50_ms"] = (cell["stats"].get("tpot") or {}).get("p50")
+            metrics[f"{name}.tok_s"] = cell["stats"].get("decode_tok_s")
+    m = ok.get("compare", {}).get("metrics", {})
+    metrics.update({f"parity.{k}": m[k] for k in ("cells", "cells_exact") if k in m})
+    m = ok.get("quality", {}).get("metrics", {})
+    metrics.update({f"quality.{_name(k.removesuffix('_accuracy'))}.accuracy": v
+                    for k, v in m.items() if k.endswith("_accuracy")})
+    m = ok.get("overlap", {}).get("metrics", {})
+    metrics.update({f"overlap.{_name(k.removesuffix('_b_over_a'))}.b_over_a": v
+                    for k, v in m.items() if k.endswith("_b_over_a")})
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return numeric, tags
+
+
+def summary_view(root: Path) -> str | None:
+    """SUMMARY.md with each `plots/x.png` image as a data: URI of that plot, scaled to at most 900 px in 64
+    colours (about 15 KB a plot: MLflow opens a file above 100 KB as source, not rendered). None without one."""
+    from PIL import Image  # matplotlib's own dependency
+
+    def embed(m: re.Match) -> str:
+        buf = io.BytesIO()
+        try:
+            with Image.open(root / m.group(2)) as im:
+                im.thumbnail((900, 900))
+                im.convert("RGB").quantize(64).save(buf, "PNG", optimize=True)
+        except OSError:  # missing, or not an image: the link stays as it is
+            return m.group(0)
+        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})"
+
+    summary = root / "SUMMARY.md"
+    return PLOT_LINK.sub(embed, summary.read_text()) if summary.is_file() else None
 
 
 def _find(c, exp_id: str, filters: list[str]):
@@ -97,7 +215,8 @@ def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
     eid = root.name
     records = stage_records(root)
     verdict = gates.verdicts(records).get(gates.PARITY.name, "")
-    common = {"evident.id": eid, "commit": eid.split("-")[0], "device": config.get("device", ""), "verdict": verdict}
+    common = {"evident.id": eid, **id_tags(eid), "device": config.get("device", ""), **gpu_tags(root),
+              "verdict": verdict}
 
     c = client(uri)
     exp_id = _experiment_id(c, config["campaign"])
@@ -108,7 +227,8 @@ def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
         if extra.info.status == "RUNNING":
             c.set_terminated(extra.info.run_id, "FAILED")
     if parent is None:
-        parent = c.create_run(exp_id, run_name=eid, tags={**common, "evident.kind": "parent"})
+        start = ms(min((r["started_utc"] for r in records if r.get("started_utc")), default=None))
+        parent = c.create_run(exp_id, start_time=start, run_name=eid, tags={**common, "evident.kind": "parent"})
     pid = parent.info.run_id
 
     children = {}
@@ -129,21 +249,30 @@ def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
         children[name] = child.info.run_id
 
     if parent.info.status != "FINISHED":
-        files = [root / f for f in PARENT_FILES if (root / f).is_file()]
+        files = [root / f for f in PARENT_FILES if (root / f).is_file()] + sorted(root.glob(PLOTS))
         params = {"campaign": config["campaign"], "device": config.get("device"), "dtype": config.get("dtype")}
-        _log_run(c, pid, params, {}, {"verdict": verdict}, files, root)
+        metrics, tags = headline(root, records, config)
+        logged = parent.data.metrics  # a RUNNING parent reused after a crash: each value once
+        metrics = {k: v for k, v in metrics.items() if logged.get(k) != float(v)}
+        _log_run(c, pid, params, metrics, {**common, **tags}, files, root)
+        if (view := summary_view(root)) is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / SUMMARY_VIEW).write_text(view)
+                c.log_artifact(pid, str(Path(tmp) / SUMMARY_VIEW))
     return {"experiment_id": exp_id, "parent_run_id": pid, "child_run_ids": children}
 
 
 def finish(evidence_dir: str | Path, ids: dict, uri: str | None = None) -> None:
-    """Attach MANIFEST.json to the parent run and mark it finished (after sealing)."""
+    """Attach MANIFEST.json to the parent run and mark it finished (after sealing), ending it when the
+    directory was sealed (the manifest's `sealed_utc`)."""
     root = Path(evidence_dir)
     with store_lock(uri):
         c = client(uri)
         run = c.get_run(ids["parent_run_id"])
         if run.info.status != "FINISHED":
-            c.log_artifact(ids["parent_run_id"], str(root / "MANIFEST.json"))
-            c.set_terminated(ids["parent_run_id"], "FINISHED")
+            c.log_artifact(ids["parent_run_id"], str(root / MANIFEST))
+            end = ms(read_json(root / MANIFEST).get("sealed_utc"))
+            c.set_terminated(ids["parent_run_id"], "FINISHED", end_time=end)
 
 
 def delete_runs(campaign: str, evidence_id: str, run_ids: list[str], uri: str | None = None) -> dict:

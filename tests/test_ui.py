@@ -1,0 +1,97 @@
+"""`evident ui` (workflow/ui.py): the MLflow UI on the working directory's store, on loopback, installed on
+first use, with the static archive linking to it while it runs."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from workflow import ui
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def args(tmp_path, **kw) -> argparse.Namespace:
+    return argparse.Namespace(root=tmp_path / "evidence", port=5123, tracking_uri=None, **kw)
+
+
+def test_the_ui_extra_is_the_projects():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ui"]
+    assert ui.ui_requirements() == extra
+
+
+def test_store_and_command_bind_loopback(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert ui.store(None) == "sqlite:///mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///other.db")
+    assert ui.store(None) == "sqlite:///other.db" and ui.store("sqlite:///given.db") == "sqlite:///given.db"
+    cmd = ui.command("sqlite:///x.db", 5001)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "5001"
+    assert cmd[cmd.index("--backend-store-uri") + 1] == "sqlite:///x.db"
+
+
+def test_a_tracking_server_is_not_served_again(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ui.subprocess, "call", lambda *a, **k: pytest.fail("nothing to start"))
+    given = argparse.Namespace(root=tmp_path / "evidence", port=5000, tracking_uri="http://10.0.0.1:5000")
+    assert ui.cmd_ui(given) == 0
+    assert "already there: http://10.0.0.1:5000" in capsys.readouterr().out
+
+
+def test_first_use_installs_then_serves_and_the_archive_links_only_while_it_runs(tmp_path, monkeypatch):
+    import handbuilt
+
+    handbuilt.build(tmp_path / "evidence", tracking={"status": "logged", "experiment_id": "7", "parent_run_id": "p1"})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(ui, "has_server", lambda: False)
+    calls, linked = [], []
+
+    def call(cmd):
+        calls.append(cmd)
+        if "ui" in cmd:  # while the UI runs, the index points at the runs on it
+            linked.append("http://127.0.0.1:5123/#/experiments/7/runs/p1" in (tmp_path / "evidence/index.html").read_text())
+        return 0
+
+    monkeypatch.setattr(ui.subprocess, "call", call)
+    assert ui.cmd_ui(args(tmp_path)) == 0
+    assert calls[0][-len(ui.ui_requirements()) - 3:-len(ui.ui_requirements())] == ["pip", "install", "-q"]
+    assert calls[1] == ui.command("sqlite:///mlflow.db", 5123)
+    assert linked == [True]
+    assert "127.0.0.1:5123" not in (tmp_path / "evidence/index.html").read_text()  # written again without
+
+
+def test_a_failed_install_says_how(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ui, "has_server", lambda: False)
+    monkeypatch.setattr(ui.subprocess, "call", lambda cmd: 1)
+    assert ui.cmd_ui(args(tmp_path)) == 1
+    assert "pip install mlflow==" in capsys.readouterr().err
+
+
+def test_the_real_ui_serves_the_store(tmp_path):
+    """The command as built, started for real (the test extra has the full mlflow): its health endpoint answers."""
+    if not ui.has_server():
+        pytest.skip("the full mlflow package is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(ui.command(f"sqlite:///{tmp_path / 'mlflow.db'}", port), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, body = time.monotonic() + 60, None
+        while time.monotonic() < deadline and body is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            except OSError:
+                assert proc.poll() is None, "mlflow ui exited"
+                time.sleep(0.5)
+        assert body == b"OK"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

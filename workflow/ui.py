@@ -1,0 +1,83 @@
+"""`evident ui`: MLflow's web UI on this working directory's store, bound to loopback.
+
+The UI needs the full mlflow package (the project's `ui` extra; a plain install has mlflow-skinny, which logs but
+does not serve). The first call installs the extra's requirements into this environment from the package registry.
+While the UI runs, the static archive (evidence/index.html) links each evidence directory to its MLflow runs on it;
+when it stops, the archive is written again without those links, so none points at a server that is gone.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+HOST = "127.0.0.1"  # never another interface: the store has no authentication
+DEFAULT_STORE = "sqlite:///mlflow.db"  # MLflow's default tracking URI, which the pipeline logs to
+
+
+def store(uri: str | None) -> str:
+    """The store to serve: the given URI, else MLFLOW_TRACKING_URI, else the working directory's mlflow.db."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_STORE
+
+
+def ui_requirements() -> list[str]:
+    """The `ui` extra's requirements, as this installed project declares them (pyproject.toml)."""
+    reqs = [Requirement(r) for r in importlib.metadata.requires("evident") or []]
+    return [str(r).split(";")[0].strip() for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "ui"})]
+
+
+def has_server() -> bool:
+    """The full mlflow distribution (not only mlflow-skinny) is installed."""
+    try:
+        importlib.metadata.distribution("mlflow")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def install() -> int:
+    reqs = ui_requirements()
+    print(f"evident ui: installing the MLflow UI ({', '.join(reqs)}) into {Path(sys.prefix).as_posix()}", flush=True)
+    return subprocess.call([sys.executable, "-m", "pip", "install", "-q", *reqs])
+
+
+def command(uri: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlflow", "ui", "--host", HOST, "--port", str(port), "--backend-store-uri", uri]
+
+
+def cmd_ui(args) -> int:
+    from workflow import pages
+
+    uri = store(args.tracking_uri)
+    if uri.startswith(("http://", "https://")):
+        print(f"evident ui: the store is a tracking server, whose UI is already there: {uri}")
+        return 0
+    if not has_server() and install() != 0:
+        print("evident ui: could not install the MLflow UI; try: pip install " + " ".join(ui_requirements()),
+              file=sys.stderr)
+        return 1
+    url = f"http://{HOST}:{args.port}"
+    index = Path(args.root) / "index.html"
+    if index.parent.is_dir():
+        pages.write_archive(args.root, url)
+        print(f"evident ui: {index.as_posix()} links each evidence directory's runs on {url}")
+    print(f"evident ui: {uri} on {url} (Ctrl-C stops it)", flush=True)
+    try:
+        return subprocess.call(command(uri, args.port))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if index.parent.is_dir():
+            pages.write_archive(args.root)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ui", help="MLflow's web UI on this directory's store, on 127.0.0.1 (installs it on first use)")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI, else mlflow.db here")
+    p.set_defaults(func=cmd_ui)
