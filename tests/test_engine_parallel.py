@@ -162,7 +162,7 @@ def test_generation_matches_single_and_hf(run, backend):
 def test_graph_step_under_expert_parallelism_matches_hf(run, backend):
     """Each rank stacks its own experts (the shared one on rank 0 only) and combines fp32 partials."""
     for rank, res in enumerate(run["ranks"]):
-        assert res["backends"][backend]["graph"] == run["hf_tokens"], f"{backend} rank {rank}"
+        assert res["backends"][backend]["graph"] == [t[:N_NEW // 2] for t in run["hf_tokens"]], f"{backend} rank {rank}"
 
 
 def test_logits_host_staged_equals_collective_bitwise(run):

@@ -1,6 +1,7 @@
-"""The parent run's headline as the MLflow UI reads it: a real `mlflow server` on loopback (SQLite backend,
-proxied artifacts), the evidence logged over HTTP by workflow/tracking.py, then the server's REST API, the one
-the UI calls: runs/get (metrics, tags, times), artifacts/list, get-artifact, experiments/get-by-name.
+"""The parent run's headline as the MLflow UI reads it: the real server `evident ui` starts (`mlflow ui` on
+loopback, SQLite backend, proxied artifacts), the evidence logged over HTTP by workflow/tracking.py, then the
+server's REST API, the one the UI calls: runs/get (metrics, tags, times), artifacts/list, get-artifact,
+experiments/get-by-name.
 
 Needs the full mlflow package (flask); skips without it.
 """
@@ -23,7 +24,7 @@ import pytest
 
 from test_tracking import (CAMPAIGN_START, HEADLINE_ARTIFACTS, HEADLINE_METRICS, HEADLINE_TAGS, build_headline,
                            seal)
-from workflow import tracking
+from workflow import tracking, ui
 from workflow.evidence import read_json
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
@@ -52,11 +53,9 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("mlflow-server")
     uri = f"http://127.0.0.1:{_free_port()}"
     log = open(home / "server.log", "wb")
-    proc = subprocess.Popen(
-        [str(MLFLOW), "server", "--host", "127.0.0.1", "--port", uri.rsplit(":", 1)[1],
-         "--backend-store-uri", f"sqlite:///{home / 'store.db'}", "--artifacts-destination", str(home / "artifacts"),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    # the server `evident ui` starts (workflow/ui.py), its artifacts served from ./mlartifacts (MLflow's default)
+    proc = subprocess.Popen(ui.command(f"sqlite:///{home / 'store.db'}", int(uri.rsplit(":", 1)[1])),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
     try:
         deadline = time.monotonic() + 90
         while True:

@@ -1,14 +1,11 @@
 """`evident ui` (workflow/ui.py): the MLflow UI on the working directory's store, on loopback, installed on
-first use, with the static archive linking to it while it runs."""
+first use, with the static archive linking to it while it runs. The command itself serves the REST API test of
+tests/test_tracking_server.py."""
 
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
-import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -72,26 +69,3 @@ def test_a_failed_install_says_how(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ui.subprocess, "call", lambda cmd: 1)
     assert ui.cmd_ui(args(tmp_path)) == 1
     assert "pip install mlflow==" in capsys.readouterr().err
-
-
-def test_the_real_ui_serves_the_store(tmp_path):
-    """The command as built, started for real (the test extra has the full mlflow): its health endpoint answers."""
-    if not ui.has_server():
-        pytest.skip("the full mlflow package is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(ui.command(f"sqlite:///{tmp_path / 'mlflow.db'}", port), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline, body = time.monotonic() + 60, None
-        while time.monotonic() < deadline and body is None:
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            except OSError:
-                assert proc.poll() is None, "mlflow ui exited"
-                time.sleep(0.5)
-        assert body == b"OK"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

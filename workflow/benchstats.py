@@ -105,6 +105,12 @@ def _positive_int(value, name: str) -> int:
     return int(value)
 
 
+def tok_s(batch: int, steady_ms) -> float:
+    """Decode throughput over steady intervals: batch * steps / seconds (a throughput, not 1000 / mean TPOT)."""
+    steps = np.asarray(steady_ms, dtype=float)
+    return batch * steps.size / (float(steps.sum()) / 1000.0)
+
+
 def summarize_cell(repeats: list[dict], batch: int, new_tokens: int) -> dict:
     """Validate every repeat of one (backend, batch) cell and summarize it.
 
@@ -145,7 +151,7 @@ def summarize_cell(repeats: list[dict], batch: int, new_tokens: int) -> dict:
         per_repeat.append(float(np.median(s)))
 
     all_steady = np.concatenate(steady)
-    decode_tok_s = batch * all_steady.size / (float(all_steady.sum()) / 1000.0)
+    decode_tok_s = tok_s(batch, all_steady)
     spread = (max(per_repeat) - min(per_repeat)) / float(np.median(per_repeat))
 
     if len(repeats) < MIN_REPEATS:

@@ -12,7 +12,7 @@ sealed evidence directories, with the regressions beyond the noise flagged as `e
   As in workflow/diff.py, two decode paths at one backend and batch are two cells.
 - The band: for TPOT p50, the min and max of the cell's per-repeat TPOT p50s (`stats.repeat_tpot_p50`, the
   spread the noise rule reads); for tok/s, the min and max of the per-repeat decode tok/s, recomputed from the
-  cell's raw `repeats` as benchstats computes the cell's own (batch x steady steps / steady seconds). A cell
+  cell's raw `repeats` by `benchstats.tok_s`, as the cell's own. A cell
   without them has no band (empty in the CSV).
 - The flag: each cell against the previous directory that has the same cell, through
   benchstats.directional_claim (the rule `evident diff` and bench_report apply: same contract, versions and
@@ -104,11 +104,9 @@ def _values(cell: dict, metric: str) -> tuple[float | None, float | None, float 
         band = [diff.number(v) for v in band] if isinstance(band, list) else []
     else:
         value = diff.number(stats.get("decode_tok_s"))
-        band = []
         try:
-            for rep in cell.get("repeats") or []:
-                steady = [float(v) for v in rep["steady_ms"]]
-                band.append(diff.number(int(cell["batch"]) * len(steady) / (sum(steady) / 1000.0)))
+            band = [diff.number(benchstats.tok_s(int(cell["batch"]), rep["steady_ms"]))
+                    for rep in cell.get("repeats") or []]
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             band = []
     if not band or any(v is None for v in band):

@@ -22,14 +22,14 @@ def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
 
     dirs = frame.drop_duplicates("order").sort_values("order")
     xs, labels = list(dirs["order"]), [f"{c}" for c in dirs["commit"]]
-    gates = [g for g in GATES if (dirs[f"gate_{g.name}"].fillna("") != "").any()]
+    gates = [g for g in GATES if (dirs[f"gate_{g.name}"].astype(object).fillna("") != "").any()]
     fig = Figure(figsize=(max(9.0, 4.5 + 0.55 * len(xs)), 4.8 + 0.32 * len(gates)))
     FigureCanvasAgg(fig)
     if gates:
         ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4.0, 0.35 * len(gates) + 0.3]})
     else:
         ax, strip = fig.subplots(1, 1), None
-    cells = frame[frame["cell"].fillna("") != ""]
+    cells = frame[frame["cell"].astype(object).fillna("") != ""]
     flagged = []
     for name in sorted(cells["cell"].unique(), key=label_key):
         c = cells[(cells["cell"] == name) & cells["value"].notna()].sort_values("order")
@@ -61,7 +61,7 @@ def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
     if strip is not None:
         colors = {"pass": "#2da44e", "fail": "#cf222e", "none": "#d0d7de"}
         for j, g in enumerate(gates):
-            for x, v in zip(dirs["order"], dirs[f"gate_{g.name}"].fillna("")):
+            for x, v in zip(dirs["order"], dirs[f"gate_{g.name}"].astype(object).fillna("")):
                 state = "none" if not v else ("fail" if v in g.failing else "pass")
                 strip.scatter([x], [j], marker="s", s=110, color=colors[state])
         strip.set_yticks(range(len(gates)))
