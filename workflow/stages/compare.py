@@ -3,9 +3,8 @@
 Free-running: stored hashes must match their ids (else an error), rows of a batch must be identical
 (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`), first divergence at an
 oracle margin below the dtype's noise (`near_tie_divergence`, see `near_tie_margin`), or above it
-(`engine_accuracy_gap`). A free-running
-trace says nothing after its first divergence, and in bf16 small logic bugs hide under the rounding, so two
-checks along the oracle's trace (teacher-forced, every row) decide too:
+(`engine_accuracy_gap`). A free-running trace says nothing after its first divergence, and in bf16 small logic
+bugs hide under the rounding, so two checks along the oracle's trace (teacher-forced, every row) decide too:
 
 - logic check: the engine in float32 against the float32 oracle, max |Δ log-prob| over the oracle's top-k at
   every position within `parity.logic_tolerance`, else `engine_accuracy_gap` naming the first position out;
