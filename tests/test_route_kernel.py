@@ -200,6 +200,17 @@ def test_inadmissible_inputs_fall_back(gen, monkeypatch):
     assert "device cpu" in rt.route_reason(x.cpu(), w.cpu(), k)
 
 
+def assert_refused(x, w, k, bad):
+    """Each change to a valid call is a ValueError in route, route_reference and route_reason alike."""
+    for change in bad:
+        args = dict(x=x, gate_weight=w, top_k=k, norm_topk_prob=True, scaling=SCALING) | change
+        for call in (rt.route, rt.route_reference):
+            with pytest.raises(ValueError):
+                call(**args)
+        with pytest.raises(ValueError):
+            rt.route_reason(**{name: v for name, v in args.items() if name not in ("norm_topk_prob", "scaling")})
+
+
 def test_shape_errors_are_errors_not_fallbacks(gen):
     D, E, k = ROWS
     x, w = problem(3, D, E, torch.float32, gen)
@@ -213,14 +224,7 @@ def test_shape_errors_are_errors_not_fallbacks(gen):
         dict(shared=1, remap=torch.arange(E, device=DEV)),  # remap must cover E + shared ids
         dict(remap=torch.arange(E, device=DEV).float()),
     ]
-    for change in bad:
-        args = dict(x=x, gate_weight=w, top_k=k, norm_topk_prob=True, scaling=SCALING) | change
-        for call in (rt.route, rt.route_reference):
-            with pytest.raises(ValueError):
-                call(**args)
-        with pytest.raises(ValueError):
-            rt.route_reason(args["x"], args["gate_weight"], args["top_k"], args.get("shared", 0),
-                            args.get("remap"))
+    assert_refused(x, w, k, bad)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -416,14 +420,7 @@ def test_group_shape_errors_and_fallbacks(gen):
            ok | dict(n_group=0), ok | dict(topk_group=0), ok | dict(topk_group=5), ok | dict(top_k=7),
            ok | dict(bias=None), ok | dict(bias=torch.zeros(E + 1, device=DEV)), ok | dict(bias=bias[None]),
            ok | dict(n_group=12, topk_group=3)]  # groups of one expert have no top 2
-    for change in bad:
-        args = dict(x=x, gate_weight=w, top_k=k, norm_topk_prob=True, scaling=SCALING) | change
-        for call in (rt.route, rt.route_reference):
-            with pytest.raises(ValueError):
-                call(**args)
-        with pytest.raises(ValueError):
-            rt.route_reason(x, w, args["top_k"], 0, None, args["method"], args.get("n_group", 1),
-                            args.get("topk_group", 1), args.get("bias"))
+    assert_refused(x, w, k, bad)
     # k = 6 experts of 2 groups of 3 is allowed, and so is any bias for the methods that have none
     assert rt.route_reason(x, w, 6, 0, None, "group_limited_greedy", 4, 2, torch.zeros(1)) is None
     # the bias must be contiguous fp32 on the device; more than MAX_GROUPS groups: the torch path
