@@ -63,17 +63,11 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
         several = [f"{side} has {len(files)} files for this cell ({', '.join(n for n, _ in files)})"
                    for side, files in (("A", xs), ("B", ys)) if len(files) > 1]
         if several:
-            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                     "reason": "; ".join(several)}
+            claim = no_claim("; ".join(several))
         elif x is None or y is None:
-            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                     "reason": f"only in {'B' if x is None else 'A'}"}
+            claim = no_claim(f"only in {'B' if x is None else 'A'}")
         else:
-            try:
-                claim = benchstats.directional_claim(y, x)
-            except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
-                claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                         "reason": f"malformed cell: {e}"}
+            claim = cell_claim(y, x)
         either = y if y is not None else x
         row = {"cell": key, "backend": str(either["backend"]),
                "kernels": str(either.get("kernels", "torch")), "batch": int(either["batch"]),
@@ -84,6 +78,19 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
         row["tok_s_ratio"] = _ratio(row["b_tok_s"], row["a_tok_s"]) if same else None
         out.append(row)
     return out
+
+
+def no_claim(reason: str) -> dict:
+    """A comparison of two cells that makes no directional claim, and why (directional_claim's fields)."""
+    return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None, "reason": reason}
+
+
+def cell_claim(current: dict, baseline: dict) -> dict:
+    """benchstats.directional_claim, a malformed cell being no claim rather than an error."""
+    try:
+        return benchstats.directional_claim(current, baseline)
+    except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
+        return no_claim(f"malformed cell: {e}")
 
 
 def number(v) -> float | None:

@@ -63,11 +63,11 @@ def client(uri: str | None = None):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
+    return MlflowClient(tracking_uri=uri or None)  # None: MLFLOW_TRACKING_URI, else MLflow's default
 
 
 def _sqlite_path(uri: str | None) -> Path | None:
-    if uri is None:
+    if not uri:
         from mlflow.tracking import get_tracking_uri  # MLflow's own default, as client() resolves it
 
         uri = get_tracking_uri()
@@ -83,7 +83,7 @@ def store_lock(uri: str | None = None):
     this lock all 8 logged. Parallel jobs (`snakemake -j N`, several campaigns in one working directory)
     therefore write one at a time; a server (`MLFLOW_TRACKING_URI=http://...`) takes concurrent writers.
     """
-    db = _sqlite_path(uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
+    db = _sqlite_path(uri)
     if db is None:
         yield
         return
@@ -285,7 +285,7 @@ def delete_runs(campaign: str, evidence_id: str, run_ids: list[str], uri: str | 
     """
     from mlflow.exceptions import MlflowException
 
-    db = _sqlite_path(uri or os.environ.get("MLFLOW_TRACKING_URI") or None)
+    db = _sqlite_path(uri)
     if db is not None and not db.is_file():
         if not run_ids:
             return {"deleted": [], "missing": []}

@@ -118,11 +118,7 @@ def _claim(cell: dict, prev: dict | None) -> dict:
     if prev is None:
         return {"claim": "", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
                 "reason": "the first directory with this cell"}
-    try:
-        return benchstats.directional_claim(cell, prev)
-    except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:
-        return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                "reason": f"malformed cell: {e}"}
+    return diff.cell_claim(cell, prev)
 
 
 def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str] | None = None,
@@ -157,11 +153,9 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
             value, lo, hi = _values(cell, metric)
             last, against = prev.get(name), ""
             if len(files) > 1:
-                claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                         "reason": f"{len(files)} files for this cell ({', '.join(f for f, _ in files)})"}
+                claim = diff.no_claim(f"{len(files)} files for this cell ({', '.join(f for f, _ in files)})")
             elif value is None:
-                claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                         "reason": f"malformed cell: no {metric}"}
+                claim = diff.no_claim(f"malformed cell: no {metric}")
             else:
                 claim = _claim(cell, last[1] if last else None)
                 against = last[0] if last else ""
