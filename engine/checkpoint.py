@@ -117,9 +117,11 @@ def _meta(f, name: str) -> torch.Tensor:
 
 
 def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], args: ModelArgs):
-    """HF names -> engine names (drop ``model.``, unpack packed experts, drop empty/tied extras)."""
+    """HF names -> engine names (drop ``model.``, unpack packed experts, drop empty/tied extras and MTP layers)."""
     out, src = {}, {}
     for name, t in tensors.items():
+        if mtp_tensor(name, args):
+            continue  # a multi-token-prediction layer's: not read
         file = where[name]
         key = name[len("model."):] if name.startswith("model.") else name
         if args.tie_word_embeddings and key == "lm_head.weight":
@@ -169,7 +171,7 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
         return m is not None and int(m.group(1)) not in shard
 
     tensors, where = read_tensors(ckpt_dir, lambda n: mtp_tensor(n, args) or (ep is not None and elsewhere(n)))
-    sd, src = _to_engine_names({n: t for n, t in tensors.items() if not mtp_tensor(n, args)}, where, args)
+    sd, src = _to_engine_names(tensors, where, args)
     files = ", ".join(sorted(set(where.values()))) or ckpt_dir
     for k in expected:
         if k not in sd:

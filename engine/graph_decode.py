@@ -74,16 +74,19 @@ def _interleave_rope(model: Transformer) -> None:
     function with interleaved pairs (x_2i, x_2i+1), the only layout the MLA kernels rotate: the output rows of q's
     and k's rope dims are permuted so that pair i of the interleaved layout holds the halves' pair i, and every
     layer then rotates interleaved pairs, the prefill too. q·k sums the same products, in another order."""
+    attn = model.layers[0].self_attn  # every layer has the same shape
+    half, head = attn.rope // 2, attn.nope + attn.rope
+    order = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()  # 0, h, 1, h+1, ...
+    q_rows = torch.arange(attn.n_heads * head).view(attn.n_heads, head)
+    q_rows[:, attn.nope:] = q_rows[:, attn.nope:][:, order]
+    q_rows = q_rows.flatten()
+    k_rows = torch.cat([torch.arange(attn.kv_lora_rank), attn.kv_lora_rank + order])
     for layer in model.layers:
         attn = layer.self_attn
-        half = attn.rope // 2
-        order = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], dim=1).flatten()  # 0, h, 1, h+1, ...
-        head = attn.nope + attn.rope
-        q_rows = torch.arange(attn.n_heads * head).view(attn.n_heads, head)
-        q_rows[:, attn.nope:] = q_rows[:, attn.nope:][:, order]
-        k_rows = torch.cat([torch.arange(attn.kv_lora_rank), attn.kv_lora_rank + order])
+        if attn.rope_interleave:  # permuted already (a second GraphDecode on this model)
+            continue
         q_last = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
-        for linear, rows in ((q_last, q_rows.flatten()), (attn.kv_a_proj_with_mqa, k_rows)):
+        for linear, rows in ((q_last, q_rows), (attn.kv_a_proj_with_mqa, k_rows)):
             for t in (linear.weight, linear.bias):
                 if t is not None:
                     t.data.copy_(t.data[rows.to(t.device)])
@@ -94,8 +97,7 @@ class GraphDecode:
     """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
-        if not model.args.rope_interleave:  # before the projections' kernels take their weights
-            _interleave_rope(model)
+        _interleave_rope(model)  # rope on the halves: before the projections' kernels take their weights
         self.model, self.ep = model, model.ep
         if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
             # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The
@@ -112,12 +114,17 @@ class GraphDecode:
         # a graph holds device work only: the host-staged combine runs eagerly
         self.graphs = torch.cuda.is_available() and w.is_cuda and (self.ep is None or self.ep.backend == "collective")
         self.inv_freq = model.inv_freq.to(self.device)  # on the device: a host copy cannot be captured
-        self.stacks, self.remaps = {}, {}
+        self.stacks, self.routes = {}, {}
         for i, layer in enumerate(model.layers):
             if isinstance(layer.mlp, MoE):
-                self.stacks[i] = _stack_experts(layer.mlp)
-                n_shared = self.stacks[i][0].shape[0] - len(layer.mlp.experts)
-                self.remaps[i] = _remap(layer.mlp, model.args.n_routed_experts, n_shared, self.ep)
+                moe = layer.mlp
+                self.stacks[i] = _stack_experts(moe)
+                n_shared = self.stacks[i][0].shape[0] - len(moe.experts)
+                # the router's arguments besides x, fixed per layer
+                remap = _remap(moe, model.args.n_routed_experts, n_shared, self.ep)
+                self.routes[i] = dict(shared=n_shared, remap=remap, method=moe.routing, n_group=moe.n_group or 1,
+                                      topk_group=moe.topk_group or 1,
+                                      bias=getattr(moe.gate, "e_score_correction_bias", None))
         self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
         if self.ep is not None:
             self.ep.before_close(self.release)
@@ -186,11 +193,8 @@ class GraphDecode:
     def _moe(self, moe: MoE, x: torch.Tensor, h: torch.Tensor, layer: int, after):
         """(h + the MoE's output, its norm): routed and shared experts through the stacks."""
         w13, w2 = self.stacks[layer]
-        n_shared = w13.shape[0] - len(moe.experts)
         ids, weights = self.route.route(x, moe.gate.weight, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
-                                        shared=n_shared, remap=self.remaps[layer], method=moe.routing,
-                                        n_group=moe.n_group or 1, topk_group=moe.topk_group or 1,
-                                        bias=getattr(moe.gate, "e_score_correction_bias", None))
+                                        **self.routes[layer])
         if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
             partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
             return self.norm.add_rms_norm(h, partial, after.weight, after.eps)

@@ -243,6 +243,8 @@ class MoE(nn.Module):
 
     def _groups_kept(self, scores: torch.Tensor, group_score, fill: float) -> torch.Tensor:
         """scores [N, E] with every expert outside the topk_group best groups (by group_score) set to fill."""
+        if self.topk_group >= self.n_group:  # every group kept (Moonlight: one group)
+            return scores
         by_group = scores.view(scores.shape[0], self.n_group, -1)
         kept = torch.topk(group_score(by_group), k=self.topk_group, dim=-1, sorted=False)[1]
         mask = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, kept, True)

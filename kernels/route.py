@@ -76,7 +76,7 @@ def _select_kernel(part, remap, bias, ids, wts, B, scaling, N_SPLIT: tl.constexp
         choice = scores
     # NaN ranks first (as in a descending sort, and torch.topk): it counts as +inf, for groups and experts alike
     choice = tl.where(choice != choice, float("inf"), choice)
-    if METHOD != 0:  # keep the TOPK_GROUP best of N_GROUP contiguous groups, ties to the lowest group
+    if METHOD != 0 and TOPK_GROUP < N_GROUP:  # keep the TOPK_GROUP best of N_GROUP groups, ties to the lowest
         grp = e // (E // N_GROUP)  # N_GROUP and above on the padding lanes
         g = tl.arange(0, GROUPS)
         gval = tl.zeros([GROUPS], dtype=tl.float32)
@@ -185,6 +185,8 @@ def route_reason(x, gate_weight, top_k: int, shared: int = 0, remap=None, method
 
 def _groups_kept(scores: torch.Tensor, n_group: int, topk_group: int, group_score, fill: float) -> torch.Tensor:
     """scores [B, E] with the experts outside the topk_group best of n_group groups (by group_score) set to fill."""
+    if topk_group >= n_group:  # every group kept
+        return scores
     by_group = scores.view(scores.shape[0], n_group, -1)
     kept = torch.sort(group_score(by_group), dim=-1, descending=True, stable=True)[1][:, :topk_group]
     mask = torch.zeros(by_group.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, kept, True)
@@ -244,8 +246,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
     ids = torch.empty(B, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(B, slots, dtype=torch.float32, device=x.device)
     e_pad, kind = triton.next_power_of_2(E), METHODS.index(method)
-    if kind == 0:
-        n_group = topk_group = 1  # unused: one compiled variant
+    if kind == 0 or topk_group == n_group:
+        n_group = topk_group = 1  # no group is dropped: the group code is not compiled in
     _select_kernel[(B,)](part, ids if remap is None else remap, bias if kind == 2 else part, ids, weights, B,
                          float(scaling), N_SPLIT=n_split, E=E, K=top_k, S=shared,
                          NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,

@@ -153,7 +153,10 @@ def test_rope_on_the_halves_becomes_interleaved_pairs_computing_the_same(tmp_pat
         before = model(ids, LatentCache.for_model(model, 1, len(LONGER)))
         graph_decode.enable(model)
         after = model(ids, LatentCache.for_model(model, 1, len(LONGER)))
+        graph_decode.enable(model)  # a second graph path on the same model permutes nothing again
+        again = model(ids, LatentCache.for_model(model, 1, len(LONGER)))
         want = hf(ids).logits
+    assert torch.equal(again, after)
     assert all(layer.self_attn.rope_interleave for layer in model.layers) and not model.args.rope_interleave
     assert (after - before).abs().max().item() < 1e-5 and (after - want).abs().max().item() < 1e-4
     assert generate(model, [PROMPT], N_NEW).tokens[0] == hf_generate(hf, PROMPT, N_NEW)
