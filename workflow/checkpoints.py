@@ -57,6 +57,11 @@ class CheckpointInvalid(ValueError):
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
+def family(hf_config: dict) -> str:
+    """A config's model_type of ARCHITECTURES; DeepSeek-V2's where it names none (as engine.config.ModelArgs)."""
+    return hf_config.get("model_type", "deepseek_v2")
+
+
 def hf_classes(model_type: str):
     """(config class, model class) of transformers for a model_type of ARCHITECTURES."""
     import transformers
@@ -72,7 +77,7 @@ def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     """
     import torch
 
-    config_cls, model_cls = hf_classes(hf_config.get("model_type", "deepseek_v2"))
+    config_cls, model_cls = hf_classes(family(hf_config))
     try:  # a copy: transformers rewrites the rope dict it is given in place (type -> rope_type)
         cfg = config_cls(**copy.deepcopy(hf_config))
     except (TypeError, ValueError) as e:
@@ -165,7 +170,7 @@ def build_tokenizer(vocab_size: int, bos_id: int, eos_id: int):
 
 def full_config(hf_config: dict, dtype: str) -> dict:
     """config.json of a checkpoint this module writes: the campaign's fields, the architecture and the dtype."""
-    model_type = hf_config.get("model_type", "deepseek_v2")
+    model_type = family(hf_config)
     cfg = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **hf_config}
     cfg.setdefault("bos_token_id", 0)
     cfg.setdefault("eos_token_id", 1)

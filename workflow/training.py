@@ -83,7 +83,7 @@ def train(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtyp
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="evident-init-") as tmp:
         checkpoints.write_synthetic(tmp, hf_config, seed, init_std, "float32", init_device=device)
-        _, model_cls = checkpoints.hf_classes(hf_config.get("model_type", "deepseek_v2"))
+        _, model_cls = checkpoints.hf_classes(checkpoints.family(hf_config))
         model = model_cls.from_pretrained(tmp, dtype=torch.float32).to(device)
     cfg = checkpoints.full_config(hf_config, dtype)
     tok, _, _ = checkpoints.build_tokenizer(cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
