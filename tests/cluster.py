@@ -64,6 +64,35 @@ def seed_checkpoint_cache(wd: Path, tmp_path_factory) -> None:
     shutil.copytree(src, wd / ".evident/checkpoints" / src.name)
 
 
+# `mlflow server` without its job runner (MLflow 3's GenAI jobs and trace rollups, which evident never asks for): seven
+# huey consumer processes fewer, each importing mlflow at the server's start and then polling on the test's two cores.
+# The tracking API the tests use is the same. tests/reliability/test_faults.py starts its servers so too.
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+# Snakemake run with the Slurm executor plugin's wait between status checks capped at POLL_CAP_S. The plugin waits
+# --slurm-init-seconds-before-status-checks after a check that saw a job end, else 10 s longer than the last wait
+# (1, 11, 21, 31 ... s: not configurable in 2.8.0), so a job that takes 15 s is seen ended 18 s late, and each late
+# end delays the jobs that need its outputs. Capped, an end is seen within POLL_CAP_S; what is submitted, how and
+# how its status is read (squeue) are the plugin's own. Where the plugin's internals are not as expected the cap is
+# left out (a slower run, the same run).
+POLL_CAP_S = 2
+SNAKEMAKE_POLL_CAPPED = f"""import sys
+try:
+    import snakemake_executor_plugin_slurm as slurm
+    from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor
+
+    _wait = RemoteExecutor.next_seconds_between_status_checks
+    if isinstance(_wait, property) and "next_seconds_between_status_checks" not in vars(slurm.Executor):
+        slurm.Executor.next_seconds_between_status_checks = property(
+            _wait.fget, lambda self, s: _wait.fset(self, s if s is None else min(s, {POLL_CAP_S})))
+except ImportError:
+    pass
+from snakemake.cli import main
+
+main(sys.argv[1:])
+"""
+
+
 class Unavailable(Exception):
     """This machine cannot run the daemon: the test skips with this reason."""
 
@@ -138,9 +167,9 @@ class Daemons:
 
     # --- start ---------------------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, cmd: list[str], log: Path) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=None if env is None else {**os.environ, **env})
         self.procs.append((name, proc))
         return proc
 
@@ -254,7 +283,7 @@ PartitionName={PARTITION} Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             "mlflow", [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port),
                        "--backend-store-uri", self.pg_uri,
                        "--default-artifact-root", str(self.shared / "mlflow-artifacts"), "--no-serve-artifacts",
-                       "--workers", "1"], self.mlflow_log)
+                       "--workers", "1"], self.mlflow_log, env=SERVER_ENV)
 
     def mlflow_ready(self) -> str:
         def up():

@@ -6,7 +6,8 @@ rows after the first of a batch; the precision mutant changes only the dtype of 
 no change at all. `scratch(root, name)` writes the mutated package under root; put root first on PYTHONPATH.
 `applied(model, name)` swaps the mutated classes into an engine already loaded (tools/device_parity.py: one
 load of a 15.7B-parameter model serves every mutant). `serve(root, name, ...)` runs the mutated engine's
-OpenAI-compatible server, an endpoint target for the quality gate (tests/test_quality_mutants.py).
+OpenAI-compatible server, an endpoint target for the quality gate (tests/test_quality_mutants.py); `serving` starts
+several at once.
 """
 
 from __future__ import annotations
@@ -85,6 +86,29 @@ def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
     with quality.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}) as (url, _):
         yield url
+
+
+@contextlib.contextmanager
+def serving(servers: dict):
+    """Several `serve` endpoints at once: servers is {key: (root, name, ckpt, dtype)}; yields {key: base URL}. The
+    servers start together (each start is seconds of imports and loading, on one core) and are all stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.ExitStack() as stack:
+        cms = {key: serve(*args) for key, args in servers.items()}
+        with ThreadPoolExecutor(max(1, len(cms))) as pool:
+            started = {key: pool.submit(cm.__enter__) for key, cm in cms.items()}
+        urls, error = {}, None
+        for key, future in started.items():
+            try:
+                urls[key] = future.result()
+            except BaseException as e:  # the others are stopped by the stack, this one was never started
+                error = error or e
+            else:
+                stack.push(cms[key].__exit__)
+        if error is not None:
+            raise error
+        yield urls
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """The evidence archive (workflow/archive.py) and the `evident` CLI (workflow/cli.py).
 
-Fast tests use directories built by hand (tests/handbuilt.py); the slow ones run the default
-campaign once for the module and use what the pipeline wrote: its directory, the HTML archive that
-`rule all` builds, the MLflow store and `snakemake --report`.
+Fast tests use directories built by hand (tests/handbuilt.py); the slow ones use what the default campaign's
+run wrote (the session's one local run, tests/cluster.py `default_local_run`, shared with test_pipeline.py and
+test_cluster.py): its directory, the HTML archive that `rule all` builds, the MLflow store and `snakemake --report`.
 """
 
 from __future__ import annotations
@@ -457,11 +457,11 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """The default campaign, run once for this module, in its own working directory (its trained checkpoint cached
-    already, from the shared default run)."""
-    wd = tmp_path_factory.mktemp("archive-default")
-    cluster.seed_checkpoint_cache(wd, tmp_path_factory)
-    r = snakemake(wd)
+    """The default campaign's working directory and sealed evidence directory: the session's one local run of it
+    (`snakemake -c2` in a working directory of its own, as a user runs it), shared with test_pipeline.py and
+    test_cluster.py rather than run again here (a run is minutes on two cores). These tests leave it as they found it
+    but for what a user's commands add beside the evidence (report.html, the sync record under .evident/tracking)."""
+    wd, r, _ = cluster.default_local_run(tmp_path_factory)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (ev,) = [d for d in (wd / "evidence/tiny").iterdir() if d.is_dir()]
     return wd, ev
@@ -485,27 +485,30 @@ def test_cli_on_pipeline_evidence(pipeline, tmp_path):
     r = run_evident(wd, "verify", ev.name[:12])
     assert r.returncode == 0 and r.stdout == f"ok    tiny/{ev.name}\n"
 
-    # a second directory of the same campaign: the same files, one bench contract changed, resealed
+    # a second directory of the same campaign: the same files, one bench contract changed, resealed (removed
+    # again whatever happens: the working directory is the session's shared default run)
     other = ev.with_name(ev.name.replace("-r1", "-r2"))
     shutil.copytree(ev, other)
-    cell_file = other / "bench/single-b1.json"
-    cell = json.loads(cell_file.read_text())
-    cell["contract"]["new_tokens"] += 1
-    write_json(cell_file, cell)
-    manifest = json.loads((other / MANIFEST).read_text())
-    write_manifest(other, {k: v for k, v in manifest.items() if k not in ("schema_version", "sealed_utc", "files")}
-                   | {"evidence_id": other.name})
-    r = run_evident(wd, "diff", ev.name, other.name, "--json")
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    claims = {(c["backend"], c["batch"]): c for c in d["bench"]}
-    assert claims[("single", 1)]["claim"] == "no directional claim"
-    assert "contract differs (keys new_tokens)" in claims[("single", 1)]["reason"]
-    assert all(c["claim"] in ("faster", "slower", "no directional claim") for c in d["bench"])
-    assert d["verdicts"] == [] and d["limits"] == []
-    r = run_evident(wd, "diff", ev.name, other.name)
-    assert r.returncode == 0 and "contract differs" in r.stdout
-    shutil.rmtree(other)
+    try:
+        cell_file = other / "bench/single-b1.json"
+        cell = json.loads(cell_file.read_text())
+        cell["contract"]["new_tokens"] += 1
+        write_json(cell_file, cell)
+        manifest = json.loads((other / MANIFEST).read_text())
+        write_manifest(other, {k: v for k, v in manifest.items() if k not in ("schema_version", "sealed_utc", "files")}
+                       | {"evidence_id": other.name})
+        r = run_evident(wd, "diff", ev.name, other.name, "--json")
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        claims = {(c["backend"], c["batch"]): c for c in d["bench"]}
+        assert claims[("single", 1)]["claim"] == "no directional claim"
+        assert "contract differs (keys new_tokens)" in claims[("single", 1)]["reason"]
+        assert all(c["claim"] in ("faster", "slower", "no directional claim") for c in d["bench"])
+        assert d["verdicts"] == [] and d["limits"] == []
+        r = run_evident(wd, "diff", ev.name, other.name)
+        assert r.returncode == 0 and "contract differs" in r.stdout
+    finally:
+        shutil.rmtree(other)
 
     # hand-damaged copies (each in an archive of its own: a renamed copy would be reported as renamed)
     for how, rel in (("changed", "oracle/hf.json"), ("missing", "plots/bench.png"), ("extra", "parity/extra.json")):

@@ -39,8 +39,8 @@ def env_without(*names: str, **extra: str) -> dict:
 
 
 def smk(workdir: Path, *args: str, env: dict | None = None, snakefile: Path = REPO / "Snakefile",
-        timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "-s", str(snakefile), "-d", str(workdir), *args],
+        timeout: float = 900, snakemake: tuple[str, ...] = ("-m", "snakemake")) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *snakemake, "-s", str(snakefile), "-d", str(workdir), *args],
                           capture_output=True, text=True, timeout=timeout,
                           env=env if env is not None else env_without("MLFLOW_TRACKING_URI"))
 
@@ -280,9 +280,11 @@ def test_default_campaign_on_slurm_equals_the_local_run(slurm, tmp_path_factory)
     t0 = time.perf_counter()
     r = smk(remote, "--workflow-profile", str(REPO / "workflow/profiles/slurm"),
             # no accounting database here: squeue is the status command. The plugin polls 1 s after a job ends,
-            # then 10 s longer after each check that finds none ended (not configurable: 2 of its ~5 minutes)
+            # then 10 s longer after each check that finds none ended (not configurable: 2 of its ~5 minutes
+            # uncapped); its waits are capped at cluster.POLL_CAP_S here, so each job's end is seen within seconds
             "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
-            env=env_without("MLFLOW_TRACKING_URI", gpus.POOL_ENV, MLFLOW_TRACKING_URI=slurm.mlflow_uri))
+            env=env_without("MLFLOW_TRACKING_URI", gpus.POOL_ENV, MLFLOW_TRACKING_URI=slurm.mlflow_uri),
+            snakemake=("-c", cluster.SNAKEMAKE_POLL_CAPPED))
     slurm_s = time.perf_counter() - t0
     print(f"default campaign: local {local_s:.1f}s, slurm {slurm_s:.1f}s")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]

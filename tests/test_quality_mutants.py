@@ -7,7 +7,6 @@ completions; a mutant that flips answers must fail with its flips listed. `pytes
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from pathlib import Path
 
@@ -59,23 +58,26 @@ def gates(trained, tmp_path_factory) -> dict:
 
     ckpt32, config = trained
     root = tmp_path_factory.mktemp("quality-mutants")
+    ckpts = {dtype: ckpt32 if dtype == "float32" else rounded(ckpt32, root / f"ckpt-{dtype}", dtype) for dtype in DTYPES}
     out = {}
-    for dtype in DTYPES:
-        ckpt = ckpt32 if dtype == "float32" else rounded(ckpt32, root / f"ckpt-{dtype}", dtype)
-        cfg = copy.deepcopy(config)
-        cfg["dtype"] = dtype
-        names = MEASURED[dtype]
-        cfg["quality"]["targets"] = ["hf", "engine"] + [{"name": mutants.endpoint_name(m), "url": "<url>"} for m in names]
-        ev = root / f"ev-{dtype}"
-        ev.mkdir()
-        write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
-        record_stage.record(ckpt, ev)
-        with contextlib.ExitStack() as servers:
-            urls = {mutants.endpoint_name(m): servers.enter_context(mutants.serve(root / f"{dtype}-{m}", m, ckpt, dtype))
-                    for m in names}
+    # every mutant's endpoint of both dtypes started at once (seconds each, one after another), stopped at the end
+    with mutants.serving({(dtype, m): (root / f"{dtype}-{m}", m, ckpts[dtype], dtype)
+                          for dtype in DTYPES for m in MEASURED[dtype]}) as served:
+        for dtype in DTYPES:
+            ckpt = ckpts[dtype]
+            cfg = copy.deepcopy(config)
+            cfg["dtype"] = dtype
+            names = MEASURED[dtype]
+            cfg["quality"]["targets"] = ["hf", "engine"] + [{"name": mutants.endpoint_name(m), "url": "<url>"}
+                                                            for m in names]
+            ev = root / f"ev-{dtype}"
+            ev.mkdir()
+            write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
+            record_stage.record(ckpt, ev)
+            urls = {mutants.endpoint_name(m): served[dtype, m] for m in names}
             doc = quality.run(ckpt, ev, endpoints=urls)
-        out[dtype] = {g["candidate"]: g for g in doc["gates"]}
-        out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
+            out[dtype] = {g["candidate"]: g for g in doc["gates"]}
+            out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
     print("\ncandidate | dtype | verdict | correct (hf) | identical completions | flips")
     for dtype, by in out.items():
         for name, g in by.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import cluster
 import handbuilt
 import tinyev
 from workflow import archive
@@ -108,7 +109,8 @@ class Server:
             [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--backend-store-uri", f"sqlite:///{self.home / 'store.db'}", "--artifacts-destination",
              str(self.home / "artifacts"), "--workers", "1"],
-            stdout=open(self.home / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(self.home / "server.log", "a"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **cluster.SERVER_ENV})  # without MLflow's job runner (tests/cluster.py says why)
 
         def up():
             try:
@@ -153,11 +155,18 @@ def test_outage_seals_full_evidence_as_pending(outage):
 
 @pytest.mark.skipif(not HAVE_SERVER, reason=NO_SERVER)
 def test_sync_after_the_outage_uploads_everything_once(outage):
-    from mlflow.tracking import MlflowClient
-
     wd, server = outage
     ev = evidence_of(wd)
     server.start()
+    try:
+        _sync_uploads_everything_once(wd, ev, server)
+    finally:
+        server.stop()  # no later test needs it: not left serving beside the next runs (the fixture stops it too)
+
+
+def _sync_uploads_everything_once(wd: Path, ev: Path, server: Server) -> None:
+    from mlflow.tracking import MlflowClient
+
     env = {**os.environ, "MLFLOW_TRACKING_URI": server.uri}
 
     def sync():
