@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from safetensors import safe_open
 
-from .config import ModelArgs
+from .config import V4, ModelArgs, V4Args, load_args
 from .model import Transformer
 from .parallel import ExpertParallel
 
@@ -45,16 +45,21 @@ def eos_ids(ckpt_dir: str | os.PathLike) -> list[int]:
     return []
 
 
-def mtp_tensor(name: str, args: ModelArgs) -> bool:
-    """A tensor of DeepSeek-V3's multi-token-prediction layers, numbered after the model's own: greedy decoding runs
-    without them (as transformers' DeepseekV3ForCausalLM), so they are not read."""
+_V4_MTP = re.compile(r"(^|\.)mtp\.")  # DeepSeek-V4's multi-token-prediction module (transformers ignores it too)
+
+
+def mtp_tensor(name: str, args: ModelArgs | V4Args) -> bool:
+    """A tensor of the multi-token-prediction layers (DeepSeek-V3's numbered after the model's own, DeepSeek-V4's
+    under ``mtp.``): greedy decoding runs without them (as transformers' causal LMs), so they are not read."""
+    if args.model_type == V4:
+        return _V4_MTP.search(name) is not None
     m = _LAYER.match(name)
     return args.num_mtp_layers > 0 and m is not None and int(m.group(1)) >= args.num_hidden_layers
 
 
 def mtp_tensors(ckpt_dir: str | os.PathLike) -> list[str]:
     """The names of a checkpoint's multi-token-prediction tensors (from the file headers: no tensor data is read)."""
-    args = ModelArgs.load(ckpt_dir)
+    args = load_args(ckpt_dir)
     return sorted(n for n in read_tensors(os.fspath(ckpt_dir), skip=lambda name: True)[0] if mtp_tensor(n, args))
 
 
@@ -150,14 +155,21 @@ def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], ar
 
 def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
                ep: ExpertParallel | None = None) -> Transformer:
-    """Build a Transformer from ``ckpt_dir`` (config.json + safetensors). Router gates stay fp32.
+    """Build a Transformer (a V4Transformer for DeepSeek-V4) from ``ckpt_dir`` (config.json + safetensors). Router
+    gates stay fp32.
 
     With ``ep`` only this rank's routed experts (``ep.experts(n_routed_experts)``) are read and instantiated;
     the other ranks' expert tensors are checked by name, shape and dtype but not read (packed expert tensors
     are read whole and sliced). Everything else is replicated.
     """
     ckpt_dir = os.fspath(ckpt_dir)
-    args = ModelArgs.load(ckpt_dir)
+    args = load_args(ckpt_dir)
+    if args.model_type == V4:
+        if ep is not None:
+            raise CheckpointError(f"{ckpt_dir}: DeepSeek-V4 runs on one device here (no expert parallelism)")
+        from .v4_checkpoint import load_v4
+
+        return load_v4(ckpt_dir, args, device, dtype)
     with torch.device("meta"):
         model = Transformer(args, ep)
         full = model if ep is None else Transformer(args)  # the whole checkpoint is still validated
@@ -191,6 +203,11 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
             continue
         # copy=True: fresh, allocator-aligned storage, so numerics do not depend on the file's tensor offsets
         sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith(FP32) else dtype, copy=True)
+    return seated(model, sd, args)
+
+
+def seated(model, sd: dict, args):
+    """The model built on the meta device with the checkpoint's tensors as its own, tied, frozen, in eval mode."""
     model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -3,8 +3,8 @@ the deterministic kernels of ``kernels/``.
 
 - every bias-free projection of at most ``MAX_M`` rows goes through ``gemm_per_token``: a batched decode
   row is then computed exactly as the same row at batch 1;
-- the two projections that read the same input (q and kv_a in attention, gate and up in an MLP) run as
-  one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
+- the two projections that read the same input (a module's ``paired()``: q and kv_a in attention, gate and up in
+  an MLP) run as one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
 - the greedy pick is ``argmax_batch`` (lowest index on ties, as torch.argmax).
 
 With ``batched`` (the graph decode step), projections of more than ``max_rows`` rows, up to 16, go through
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .model import MLP, Attention, Linear, Transformer
+from .model import Linear, Transformer
 
 
 def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, max_rows: int | None = None,
@@ -65,10 +65,8 @@ def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, m
             continue
         if isinstance(module, Linear):
             module.rows_kernel = rows
-        if isinstance(module, Attention):
-            module.pair_kernel = pair(module.q_in, module.kv_a_proj_with_mqa)
-        elif isinstance(module, MLP):
-            module.pair_kernel = pair(module.gate_proj, module.up_proj)
+        if hasattr(module, "paired"):
+            module.pair_kernel = pair(*module.paired())
     if argmax:
         model.argmax_kernel = argmax_batch
     return model

@@ -63,7 +63,7 @@ def _check_length(model: Transformer, prompts, new_tokens: int) -> None:
 
 def _cache(model: Transformer, rows: int, max_len: int) -> LatentCache:
     graph = model.graph_decode
-    return graph.cache(rows, max_len) if graph is not None else LatentCache.for_model(model, rows, max_len)
+    return graph.cache(rows, max_len) if graph is not None else model.new_cache(rows, max_len)
 
 
 def _prefill(model: Transformer, cache: LatentCache, row: int, prompt: list[int]) -> torch.Tensor:

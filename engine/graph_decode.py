@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import decode_kernels
+from .config import V4
 from .model import MoE, LatentCache, Transformer, project_pair
 
 
@@ -93,7 +94,44 @@ def _interleave_rope(model: Transformer) -> None:
         attn.rope_interleave = True
 
 
-class GraphDecode:
+class CapturedStep:
+    """A decode step of every cache row, captured once per (rows, max_len) cache in a CUDA graph and replayed
+    (run eagerly without CUDA: ``graphs`` false). Subclasses set ``model``, ``graphs`` and ``caches = {}`` and
+    give ``_step(cache, tokens)``; ``generate`` asks for a cache and steps through it."""
+
+    bucket = 1  # cache lengths rounded up to a multiple of it: fewer shapes to capture (and compile)
+
+    def cache(self, rows: int, max_len: int):
+        """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
+        addresses), emptied (``reset``)."""
+        key = (rows, -(-max_len // self.bucket) * self.bucket)
+        if key not in self.caches:
+            self.caches[key] = (self.model.new_cache(rows, max_len), {})
+        cache = self.caches[key][0]
+        cache.reset()
+        return cache
+
+    def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (one per cache row) -> logits [B, vocab]; every row advances one position."""
+        if not self.graphs:
+            return self._step(cache, tokens)
+        key = (cache.lengths.shape[0], cache.max_len)
+        if key not in self.caches or self.caches[key][0] is not cache:
+            raise ValueError("step: the cache must come from this graph path's cache(): its graph holds that one")
+        state = self.caches[key][1]
+        if "graph" not in state:
+            from kernels.graphs import capture
+
+            state["tokens"] = tokens.clone()
+            lengths = cache.lengths.clone()  # the warm-up step advances every row: put back before the capture
+            state["graph"], state["logits"] = capture(lambda: self._step(cache, state["tokens"]),
+                                                      undo=lambda: cache.lengths.copy_(lengths))
+        state["tokens"].copy_(tokens)
+        state["graph"].replay()
+        return state["logits"]
+
+
+class GraphDecode(CapturedStep):
     """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
@@ -135,32 +173,6 @@ class GraphDecode:
             if "graph" in state:
                 state["graph"].reset()
         self.caches.clear()
-
-    def cache(self, rows: int, max_len: int) -> LatentCache:
-        """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
-        addresses); its lengths start at zero. Positions past a row's length are never read."""
-        key = (rows, max_len)
-        if key not in self.caches:
-            self.caches[key] = (LatentCache.for_model(self.model, rows, max_len), {})
-        cache = self.caches[key][0]
-        cache.lengths.zero_()
-        return cache
-
-    def step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (one per cache row) -> logits [B, vocab]; every row advances one position."""
-        if not self.graphs:
-            return self._step(cache, tokens)
-        state = self.caches[(cache.kv.shape[1], cache.max_len)][1]
-        if "graph" not in state:
-            from kernels.graphs import capture
-
-            state["tokens"] = tokens.clone()
-            lengths = cache.lengths.clone()  # the warm-up step advances every row: put back before the capture
-            state["graph"], state["logits"] = capture(lambda: self._step(cache, state["tokens"]),
-                                                      undo=lambda: cache.lengths.copy_(lengths))
-        state["tokens"].copy_(tokens)
-        state["graph"].replay()
-        return state["logits"]
 
     # --- the step ----------------------------------------------------------------------------
     def _step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -204,7 +216,12 @@ class GraphDecode:
 
 
 def enable(model: Transformer) -> Transformer:
-    """Attach the graph decode path to ``model`` in place (``generate`` then decodes through it)."""
+    """Attach the graph decode path to ``model`` in place (``generate`` then decodes through it); a DeepSeek-V4
+    model gets its own (engine/v4_graph.py)."""
+    if model.args.model_type == V4:
+        from . import v4_graph
+
+        return v4_graph.enable(model)
     model.graph_decode = GraphDecode(model)
     return model
 

@@ -19,16 +19,16 @@ from .parallel import ExpertParallel
 # ---------------------------------------------------------------------------------------------
 # RoPE
 # ---------------------------------------------------------------------------------------------
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rope_dim/2] fp32, attention_factor), as HF default / yarn rope init."""
-    rp, dim = args.rope_parameters, args.qk_rope_head_dim
+def rope_inv_freq(rp: dict, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim/2] fp32, attention_factor) of a standardised rope dict over ``dim`` rope dims, as HF default /
+    yarn rope init."""
     base = rp["rope_theta"]
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
-    if args.rope_type == "default":
+    if rp.get("rope_type", "default") == "default":
         return 1.0 / pos_freqs, 1.0
-    # yarn (HF _compute_yarn_parameters)
-    factor = args.rope_factor
+    # yarn (HF _compute_yarn_parameters); factor null: max_position_embeddings / original_max_position_embeddings
     orig = rp["original_max_position_embeddings"]
+    factor = rp["factor"] if rp.get("factor") is not None else max_position / orig
     mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
     attention_factor = rp.get("attention_factor")
     if attention_factor is None:
@@ -90,6 +90,10 @@ class LatentCache:
     def max_len(self) -> int:
         return self.kv.shape[2]
 
+    def reset(self) -> None:
+        """Empty: positions past a row's length are never read."""
+        self.lengths.zero_()
+
     def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """Store c_kv [B,T,R] and k_pe [B,T,Dr] of rows [B] at positions pos [B,T]."""
         self.kv[layer, rows[:, None], pos] = c_kv.to(self.kv.dtype)
@@ -142,6 +146,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, bias=bias)
         self.pair_kernel = None  # gate_proj and up_proj fused (engine/decode_kernels.py)
 
+    def paired(self) -> tuple[Linear, Linear]:
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_pair(x, self.gate_proj, self.up_proj, self.pair_kernel)
         return self.down_proj(F.silu(gate) * up)
@@ -175,6 +182,9 @@ class Attention(nn.Module):
     def q_in(self) -> Linear:
         """The projection of q that reads the layer input."""
         return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+
+    def paired(self) -> tuple[Linear, Linear]:
+        return self.q_in, self.kv_a_proj_with_mqa
 
     def forward(self, x, freqs_cis, cache: LatentCache, layer: int, rows, pos, length: int, mask):
         B, T, _ = x.shape
@@ -310,6 +320,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def cache_rows(batch: int, rows: torch.Tensor | None, device) -> torch.Tensor:
+    """The cache rows [batch] a forward appends to: rows on the cache's device, else 0..batch-1."""
+    rows = torch.arange(batch, device=device) if rows is None else rows.to(device)
+    if rows.shape != (batch,):
+        raise ValueError(f"rows must have shape ({batch},), got {tuple(rows.shape)}")
+    return rows
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, ep: ExpertParallel | None = None):
         super().__init__()
@@ -324,7 +342,11 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # plain attribute, not a buffer: stays fp32 through model.to(dtype)
-        self.inv_freq, self.attention_scaling = rope_inv_freq(args)
+        self.inv_freq, self.attention_scaling = rope_inv_freq(args.rope_parameters, args.qk_rope_head_dim,
+                                                              args.max_position_embeddings)
+
+    def new_cache(self, rows: int, max_len: int) -> LatentCache:
+        return LatentCache.for_model(self, rows, max_len)
 
     def freqs_cis(self, pos: torch.Tensor) -> torch.Tensor:
         """Complex rotations for integer positions pos [...] -> [..., rope_dim/2] (HF rotary_emb)."""
@@ -338,9 +360,7 @@ class Transformer(nn.Module):
         """
         B, T = tokens.shape
         dev = cache.lengths.device
-        rows = torch.arange(B, device=dev) if rows is None else rows.to(dev)
-        if rows.shape != (B,):
-            raise ValueError(f"rows must have shape ({B},), got {tuple(rows.shape)}")
+        rows = cache_rows(B, rows, dev)
         starts = cache.lengths[rows]
         pos = starts[:, None] + torch.arange(T, device=dev)  # [B,T] absolute positions
         length = int(starts.max()) + T

@@ -14,12 +14,12 @@ import json
 
 import torch
 
-from . import argmax, gemv, moe, norm, skinny
+from . import argmax, gemv, hc as hc_kernel, moe, norm, skinny
 
 
 # What the audit compiles (the `kernel` of its rows), and what it does not, with why: the evidence says both.
 COVERED = ("gemv_exact", "gemm_per_token", "gemv_fused", "skinny_linear", "add_rms_norm", "experts_gate_up",
-           "experts_down", "argmax_batch")
+           "experts_down", "argmax_batch", "hc_weights")
 NOT_COVERED = {
     "mla (cache write, q latent, latent attention, out)": "not launched here: it needs a model's latent cache",
     "route (logits, select)": "not launched here",
@@ -35,10 +35,13 @@ def resources(name: str, compiled, **shape) -> dict:
 
 
 def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-          experts: tuple[int, int, int, int] | None = None) -> list[dict]:
+          experts: tuple[int, int, int, int] | None = None, limit: float = 0.0,
+          hc: tuple[int, int] | None = None) -> list[dict]:
     """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation.
     ``experts`` (hidden, moe_intermediate, n_routed_experts, experts_per_token) adds the graph decode step's
-    routed-experts kernels at batch 1 and 8; the norm kernel is compiled at every K."""
+    routed-experts kernels at batch 1 and 8, with the swiglu clamp ``limit`` when > 0 (DeepSeek-V4); ``hc``
+    (hc_mult, hc_sinkhorn_iters) adds DeepSeek-V4's hyper-connection weights kernel; the norm kernel is compiled at
+    every K."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, dt=dtype):
@@ -77,10 +80,18 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
             ids = torch.stack([torch.randperm(e, generator=g, device=device)[:top] for _ in range(b)])
             route = moe._route(ids)
             h = torch.empty(b, top, inter, dtype=dtype, device=device)
-            rows.append(resources("experts_gate_up", moe._launch(rand(b, d), w13, h, route, top, True),
-                                  K=d, B=b, dtype=name))
+            rows.append(resources("experts_gate_up", moe._launch(rand(b, d), w13, h, route, top, True, limit=limit),
+                                  K=d, B=b, dtype=name, **({"limit": limit} if limit else {})))
             y = torch.empty(b, top, d, dtype=torch.float32, device=device)
             rows.append(resources("experts_down", moe._launch(h, w2, y, route, top, False), K=inter, B=b, dtype=name))
+    if hc is not None:
+        n, iters = hc
+        w = (2 + n) * n
+        outs = (torch.empty(8, n, device=device), torch.empty(8, n, device=device), torch.empty(8, n, n, device=device))
+        compiled = hc_kernel._hc_kernel[(8,)](rand(8, w, dt=torch.float32), rand(w, dt=torch.float32),
+                                              rand(3, dt=torch.float32), *outs, N=n, NP=max(2, 1 << (n - 1).bit_length()),
+                                              ITERS=iters, EPS=1e-6, num_warps=1, PDL=False)
+        rows.append(resources("hc_weights", compiled, n=n, iters=iters, dtype="float32"))
     for dt in (torch.float32, dtype):
         logits = rand(8, vocab, dt=dt)
         out = torch.empty(8, dtype=torch.int64, device=device)

@@ -46,9 +46,18 @@ COMBINE_WARPS = 4
 
 
 @triton.jit
+def _clamp(gate, up, LIMIT: tl.constexpr):
+    """The swiglu clamp (DeepSeek-V4): gate at most LIMIT, up within +-LIMIT; LIMIT 0: none."""
+    if LIMIT > 0:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate, up
+
+
+@triton.jit
 def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PDL: tl.constexpr):
+                LIMIT: tl.constexpr, PDL: tl.constexpr):
     """B = 1. Program (n, j): weight rows n*BLOCK_N.. of pair p's expert against p's input row; p = j, or
     order[j] if the pairs come sorted (keys are then the sorted ids)."""
     pdl.wait(PDL)  # which weights to read is the router's output
@@ -77,6 +86,7 @@ def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K:
             wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
             acc_b += tl.sum(wb * xk[None, :], axis=1)
     if GATED:
+        acc_a, acc_b = _clamp(acc_a, acc_b, LIMIT)
         tl.store(out + p * N + rows, (acc_a * tl.sigmoid(acc_a) * acc_b).to(out.dtype.element_ty), mask=rlive)
     else:
         tl.store(out + p * N + rows, acc_a, mask=rlive)
@@ -85,7 +95,7 @@ def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K:
 @triton.jit
 def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_K: tl.constexpr, LIMIT: tl.constexpr, PDL: tl.constexpr):
     """B >= 2. Program (n, j): weight rows n*BLOCK_N.. of sorted pair j's expert against the inputs of the up to
     G pairs from j on that chose it, if j leads them (it starts its group, or lies a multiple of G past the
     start); else nothing."""
@@ -128,6 +138,7 @@ def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: t
     dst = out + pair[None, :] * N + rows[:, None]
     smask = rlive[:, None] & live[None, :]
     if GATED:
+        acc_a, acc_b = _clamp(acc_a, acc_b, LIMIT)
         tl.store(dst, (acc_a * tl.sigmoid(acc_a) * acc_b).to(out.dtype.element_ty), mask=smask)
     else:
         tl.store(dst, acc_a, mask=smask)
@@ -149,11 +160,13 @@ def _combine_kernel(y, wts, out, D: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: 
 
 # ---- torch path: the reference and the fallback -------------------------------------------------------------
 
-def _gate_up_torch(x, w13, ids):
+def _gate_up_torch(x, w13, ids, limit: float = 0.0):
     inter = w13.shape[1] // 2
     here = ids >= 0  # -1: computed elsewhere; its row is set to 0 here
     gu = (w13[ids.clamp(min=0)].float() @ x.float()[:, None, :, None])[..., 0]  # [B, k, 2I], weights per pair
     g, u = gu[..., :inter], gu[..., inter:]
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     return torch.where(here[..., None], torch.nn.functional.silu(g) * u, 0.0).to(x.dtype)
 
 
@@ -169,10 +182,10 @@ def _combine_torch(y, weights):
     return out
 
 
-def moe_reference(x, w13, w2, ids, weights):
+def moe_reference(x, w13, w2, ids, weights, limit: float = 0.0):
     """The plain torch reference: out [B, D] fp32, the same maths as moe_experts."""
     _check_moe(x, w13, w2, ids, weights)
-    return _combine_torch(_down_torch(_gate_up_torch(x, w13, ids), w2, ids), weights)
+    return _combine_torch(_down_torch(_gate_up_torch(x, w13, ids, limit), w2, ids), weights)
 
 
 # ---- shapes (errors) and admission (fallbacks) --------------------------------------------------------------
@@ -292,7 +305,7 @@ def route(ids):
     return None if ids.shape[0] == 1 else _route(ids)
 
 
-def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
+def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float = 0.0):
     """One launch of the experts kernel for out's B; returns Triton's compiled kernel (None under the
     interpreter). At B = 1 route may be None (ids then given): pairs in their own order."""
     B = out.shape[0]
@@ -304,7 +317,7 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
         return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
             inp, w, out, keys, keys if order is None else order, DIV=slots if gated else 1, N=N, K=K, GATED=gated,
             SORTED=order is not None, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)),
-            num_warps=NUM_WARPS, **pdl.flags(w.device))
+            LIMIT=float(limit), num_warps=NUM_WARPS, **pdl.flags(w.device))
     sorted_ids, order = route
     n_pairs = sorted_ids.numel()
     block_n = INTERPRETER_BLOCK_N if interpreting() else (DOT_BLOCK_N if gated else DOT_DOWN_BLOCK_N)
@@ -312,8 +325,8 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None):
     return _dot_kernel[(triton.cdiv(N, block_n), n_pairs)](
         inp, w, out, sorted_ids, order, n_pairs, DIV=slots if gated else 1, N=N, K=K, GATED=gated, G=G,
         NP=triton.next_power_of_2(n_pairs), F32=interpreting() or w.dtype == torch.float32, BLOCK_N=block_n,
-        BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=DOT_WARPS, num_stages=DOT_STAGES,
-        **pdl.flags(w.device))
+        BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), LIMIT=float(limit), num_warps=DOT_WARPS,
+        num_stages=DOT_STAGES, **pdl.flags(w.device))
 
 
 def _route_for(ids, pairs):
@@ -323,9 +336,9 @@ def _route_for(ids, pairs):
     return _route(ids) if pairs is None else pairs
 
 
-def _gate_up(x, w13, ids, route):
+def _gate_up(x, w13, ids, route, limit: float = 0.0):
     h = torch.empty(*ids.shape, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _launch(x, w13, h, route, ids.shape[1], True, ids)
+    _launch(x, w13, h, route, ids.shape[1], True, ids, limit)
     return h
 
 
@@ -335,14 +348,15 @@ def _down(h, w2, ids, route):
     return y
 
 
-def experts_gate_up(x, w13, ids, route=None):
+def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0):
     """h [B, k, I] in x's dtype: silu(gate rows @ x[b]) * (up rows @ x[b]) of expert ids[b, s], fp32 inside; rows
-    of -1 ids unspecified. route: route(ids) if the caller has it (sort once for both calls), else made here."""
+    of -1 ids unspecified. route: route(ids) if the caller has it (sort once for both calls), else made here.
+    limit > 0: the swiglu clamp first (gate at most limit, up within +-limit; DeepSeek-V4)."""
     _check_gate_up(x, w13, ids)
     _check_route(route, ids)
     if gate_up_reason(x, w13, ids):
-        return _gate_up_torch(x, w13, ids)
-    return _gate_up(x, w13, ids, _route_for(ids, route))
+        return _gate_up_torch(x, w13, ids, limit)
+    return _gate_up(x, w13, ids, _route_for(ids, route), limit)
 
 
 def experts_down(h, w2, ids, route=None):
@@ -354,14 +368,14 @@ def experts_down(h, w2, ids, route=None):
     return _down(h, w2, ids, _route_for(ids, route))
 
 
-def moe_experts(x, w13, w2, ids, weights, route=None):
+def moe_experts(x, w13, w2, ids, weights, route=None, limit: float = 0.0):
     """out [B, D] fp32: the routed experts' outputs weighted by weights[b, s] (fp32), summed over ascending s;
-    slots of -1 ids add weights[b, s] * 0."""
+    slots of -1 ids add weights[b, s] * 0. limit: as experts_gate_up's."""
     _check_route(route, ids)
     if moe_reason(x, w13, w2, ids, weights):
-        return moe_reference(x, w13, w2, ids, weights)
+        return moe_reference(x, w13, w2, ids, weights, limit)
     route = _route_for(ids, route)  # sorted once for both kernels
-    y = _down(_gate_up(x, w13, ids, route), w2, ids, route)
+    y = _down(_gate_up(x, w13, ids, route, limit), w2, ids, route)
     B, k, D = y.shape
     out = torch.empty(B, D, dtype=torch.float32, device=x.device)
     _combine_kernel[(B, triton.cdiv(D, BLOCK_D))](y, weights.float().contiguous(), out, D=D, SLOTS=k,

@@ -6,7 +6,8 @@ joined weight) on an auxiliary stream, overlapped with the same GEMM on the main
 waits on aux) before the consumer. Both end with the same consumer on the main stream: one kernel that packs the
 bytes of every output into a result buffer.
 
-1. ``bitwise``: on each of ``inputs`` freshly drawn input sets (new GEMV input, GEMM input and weights, seeded),
+1. ``bitwise``: on each of ``inputs`` freshly drawn input sets (new GEMV input, GEMM input and weights, seeded;
+   the weights stay when ``Problem.load`` gave a model's own),
    every output of A against B's bit for bit; on CUDA also A's graph replay against an eager run of A.
 2. ``timing`` (CUDA only): both variants' graphs replayed ``trials`` times per envelope, ``warm`` (back to back)
    and ``scrubbed`` (a write of >= 2x the L2 size before each trial). A and B interleave (ABBA), so drift hits
@@ -63,10 +64,24 @@ class Problem:
         nbytes = [n * torch.empty(0, dtype=d).element_size() for n, d in zip(sizes + [gemm_n], dts)]
         self.slices = list(zip(np.cumsum([0] + nbytes[:-1]).tolist(), np.cumsum(nbytes).tolist(), dts))
 
+    fixed = False  # weights given (a model's own layer): input sets draw the inputs only
+
+    def load(self, w: torch.Tensor, wg: torch.Tensor) -> None:
+        """A model's own weights: the joined auxiliary rows [sum(sizes), K] and the GEMM's [gemm_n, K], kept for
+        every input set."""
+        if tuple(w.shape) != tuple(self.w.shape) or tuple(wg.shape) != tuple(self.wg.shape):
+            raise ValueError(f"weights {tuple(w.shape)} and {tuple(wg.shape)} do not match the screened shapes "
+                             f"{tuple(self.w.shape)} and {tuple(self.wg.shape)}")
+        self.w.copy_(w)
+        self.wg.copy_(wg)
+        self.fixed = True
+
     def draw(self, i: int) -> None:
-        """Input set i: fresh x, GEMM input and weights (randn, weights scaled by K^-1/2), seeded SEED + i."""
+        """Input set i: fresh x, GEMM input and (unless fixed) weights (randn, weights scaled by K^-1/2), seeded
+        SEED + i."""
         g = torch.Generator(device=self.device).manual_seed(SEED + i)
-        for buf, scale in ((self.x, 1.0), (self.xg, 1.0), (self.w, self.K ** -0.5), (self.wg, self.K ** -0.5)):
+        bufs = [(self.x, 1.0), (self.xg, 1.0)] + ([] if self.fixed else [(self.w, self.K ** -0.5), (self.wg, self.K ** -0.5)])
+        for buf, scale in bufs:
             buf.copy_(torch.randn(buf.shape, generator=g, device=self.device) * scale)
 
     def result(self) -> torch.Tensor:

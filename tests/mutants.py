@@ -47,16 +47,38 @@ MUTANTS = {
     "norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
                           "h = x.float()\n", "h = x\n"),
 }
+# DeepSeek-V4's: one textual edit of engine/deepseek_v4.py each, (kind, what it breaks, old text, new text)
+V4_MUTANTS = {
+    "v4_sinks_dropped": ("logic", "attention sinks left out of the softmax",
+                         "sink = self.sinks.float()[None, :, None, None].expand(B, H, T, 1)",
+                         'sink = torch.full((B, H, T, 1), float("-inf"), device=x.device)'),
+    "v4_comb_untransposed": ("logic", "hyper-connections: the comb matrix applied untransposed",
+                             "torch.matmul(comb.to(dt).transpose(-1, -2), h)", "torch.matmul(comb.to(dt), h)"),
+    "v4_csa_halves_swapped": ("logic", "CSA compressor: the overlapping windows' halves swapped",
+                              "wk = torch.cat([wk[:, :, :d, :m], wk[:, :, d:, m:]], dim=-1)",
+                              "wk = torch.cat([wk[:, :, d:, :m], wk[:, :, :d, m:]], dim=-1)"),
+    "v4_indexer_no_relu": ("logic", "lightning indexer: scores without the relu",
+                           "scores = F.relu(torch.matmul(", "scores = (torch.matmul("),
+    "v4_window_short_by_one": ("logic", "sliding window one position short",
+                               "(pos[..., None] - kpos[:, None, :] < W)", "(pos[..., None] - kpos[:, None, :] < W - 1)"),
+    "v4_hash_wrong_token": ("logic", "hash routing by the previous row's token",
+                            "idx = self.gate.tid2eid[tokens]", "idx = self.gate.tid2eid[tokens].roll(1, dims=0)"),
+    "v4_hc_mix_low_dtype": ("precision", "hyper-connection mixing logits in the model dtype, not float32",
+                            "mix = F.linear(unit_rms(h.flatten(2).float(), self.eps), self.fn.float())",
+                            "mix = F.linear(unit_rms(h.flatten(2), self.eps), self.fn.to(h.dtype)).float()"),
+}
 LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
 PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
 ROWS = [n for n, m in MUTANTS.items() if m[0] == "rows"]
 
 
 def mutated_source(name: str) -> str:
-    _, _, old, new = MUTANTS[name]
-    text = (REPO / "engine/model.py").read_text()
+    """engine/model.py with mutant `name` applied (engine/deepseek_v4.py for a V4_MUTANTS one)."""
+    _, _, old, new = MUTANTS[name] if name in MUTANTS else V4_MUTANTS[name]
+    file = "engine/model.py" if name in MUTANTS else "engine/deepseek_v4.py"
+    text = (REPO / file).read_text()
     if text.count(old) != 1:  # the engine moved on: the mutant must be rewritten, not silently skipped
-        raise AssertionError(f"mutant {name}: {old!r} occurs {text.count(old)} times in engine/model.py")
+        raise AssertionError(f"mutant {name}: {old!r} occurs {text.count(old)} times in {file}")
     return text.replace(old, new)
 
 
@@ -114,20 +136,27 @@ def serving(servers: dict):
 @contextlib.contextmanager
 def applied(model, name: str):
     """Within the block, every module of the loaded engine ``model`` runs the mutated engine/model.py's class
-    of its name, and the rope tables are the mutated ones."""
+    of its name, and the rope tables are the mutated ones (engine/deepseek_v4.py's classes for a V4 mutant)."""
+    import engine.deepseek_v4
     import engine.model
 
-    mod = types.ModuleType("engine.model_mutant")
+    v4 = name in V4_MUTANTS
+    target = engine.deepseek_v4 if v4 else engine.model
+    mod = types.ModuleType(f"{target.__name__}_mutant")
     mod.__package__ = "engine"
-    exec(compile(mutated_source(name), f"engine/model.py ({name})", "exec"), mod.__dict__)
-    saved = [(m, type(m)) for m in model.modules() if type(m).__module__ == engine.model.__name__]
-    rope = model.inv_freq, model.attention_scaling
+    exec(compile(mutated_source(name), f"{target.__name__} ({name})", "exec"), mod.__dict__)
+    saved = [(m, type(m)) for m in model.modules() if type(m).__module__ == target.__name__]
+    rope = None if v4 else (model.inv_freq, model.attention_scaling)
     try:
         for m, cls in saved:
             m.__class__ = getattr(mod, cls.__name__)
-        model.inv_freq, model.attention_scaling = mod.rope_inv_freq(model.args)
+        if not v4:
+            a = model.args
+            model.inv_freq, model.attention_scaling = mod.rope_inv_freq(a.rope_parameters, a.qk_rope_head_dim,
+                                                                        a.max_position_embeddings)
         yield
     finally:
         for m, cls in saved:
             m.__class__ = cls
-        model.inv_freq, model.attention_scaling = rope
+        if rope is not None:
+            model.inv_freq, model.attention_scaling = rope

@@ -336,7 +336,7 @@ def test_v2_lite_rope_and_scale_match_hf():
     assert args.rope_type == "yarn" and args.rope_parameters["rope_theta"] == 10000
     hf_cfg = DeepseekV2Config(**{k: v for k, v in V2_LITE.items() if k != "some_unknown_key"})
     ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
-    inv, factor = rope_inv_freq(args)
+    inv, factor = rope_inv_freq(args.rope_parameters, args.qk_rope_head_dim, args.max_position_embeddings)
     assert torch.equal(inv, ref_inv) and factor == ref_factor
     assert args.softmax_scale == yarn_apply_mscale(hf_cfg.rope_parameters, hf_cfg.qk_head_dim ** -0.5)
     new_form = dict(V2_LITE)

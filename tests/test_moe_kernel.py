@@ -274,3 +274,21 @@ def test_route_is_torch_s_stable_sort(B, k, gen):
     assert moe.route(ids[:1]) is None
     with pytest.raises(ValueError):
         moe.route(ids.reshape(-1))
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_swiglu_clamp(B, gen):
+    """limit (DeepSeek-V4's swiglu clamp): gate at most limit, up within +-limit, in both kernels; the inputs are
+    scaled so that most pre-activations pass the limit, so a kernel ignoring it is far off."""
+    D, I, E, k = ROWS
+    x, w13, w2, ids, weights = problem(B, D, I, E, k, torch.float32, gen)
+    x = x * 8
+    limit = 0.5
+    gu = torch.stack([w13[ids[b]] @ x[b] for b in range(B)])  # [B, k, 2I]
+    gate, up = gu[..., :I], gu[..., I:]
+    want = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    h = moe.experts_gate_up(x, w13, ids, limit=limit)
+    assert rel_err(h, want) < 1e-5
+    assert rel_err(moe.experts_gate_up(x, w13, ids), want) > 0.5  # unclamped: the test can see the clamp
+    out = moe.moe_experts(x, w13, w2, ids, weights, limit=limit)
+    assert rel_err(out, moe.moe_reference(x, w13, w2, ids, weights, limit=limit)) < 1e-5

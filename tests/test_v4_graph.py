@@ -1,0 +1,64 @@
+"""DeepSeek-V4's graph decode path (engine/v4_graph.py) against the torch path, and its C4 auxiliary route: fused on
+an auxiliary stream against apart on the main stream, bitwise (in a CUDA graph on a GPU; eagerly, through Triton's
+interpreter, on the CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_engine_v4 import engine_of, hf_model
+
+from engine import v4_graph
+from engine.generate import forced, generate
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+PROMPT = [5, 17, 3, 88, 41, 9, 60]
+
+
+@pytest.fixture(scope="module")
+def models():
+    hf = hf_model("all-types")
+    ref, eng = engine_of(hf).to(DEV), engine_of(hf).to(DEV)
+    v4_graph.enable(eng)
+    return ref, eng
+
+
+def teacher_forced(model, rows=1):
+    seen = []
+    forced(model, [PROMPT] * rows, [list(range(12))] * rows, seen.append)
+    return torch.cat(seen, 1)
+
+
+def test_graph_path_decodes_as_the_torch_path(models):
+    ref, eng = models
+    # two rows: the skinny projections and the tensor-core experts kernel; one row (below): the fused route and the
+    # one-row kernels
+    assert generate(eng, [PROMPT, PROMPT[:3]], 10).tokens == generate(ref, [PROMPT, PROMPT[:3]], 10).tokens
+    assert (teacher_forced(eng) - teacher_forced(ref)).abs().max() < 1e-4
+
+
+def test_fused_aux_route_is_bitwise_equal_to_apart_and_runs(models, monkeypatch):
+    _, eng = models
+    from kernels import gemv
+
+    calls = []
+    real = gemv.gemv_fused
+
+    def spy(x, w, sizes, *a, **k):
+        calls.append(list(sizes))
+        return real(x, w, sizes, *a, **k)
+
+    monkeypatch.setattr(gemv, "gemv_fused", spy)
+    g = eng.graph_decode
+    g.fuse(True)
+    fused = teacher_forced(eng)
+    a = eng.args
+    c4 = [2 * 2 * a.head_dim, 2 * 2 * a.index_head_dim, a.index_n_heads]  # the CSA layer's three segments
+    assert c4 in calls and [2 * a.head_dim] in calls  # and the HCA layer's one
+    calls.clear()
+    g.fuse(False)
+    apart = teacher_forced(eng)
+    g.fuse(True)
+    assert torch.equal(fused, apart)
+    assert not any(s in calls for s in (c4, [2 * a.head_dim]))
