@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import getpass
 import gzip
 import json
@@ -273,3 +274,81 @@ def test_parity_covers_the_triton_decode_path(tmp_path):
         ("torch", 1, "all_token_text_exact"), ("torch", 2, "all_token_text_exact"),
         ("triton", 1, "all_token_text_exact"), ("triton", 2, "all_token_text_exact")]
     assert json.loads((ev / "stages/parity-single-triton.json").read_text())["params"]["kernels"] == "triton"
+
+
+V4 = yaml.safe_load((REPO / "config/campaigns/v4-tiny.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def v4_run(tmp_path_factory):
+    """The shipped DeepSeek-V4 campaign (config/campaigns/v4-tiny.yaml: every stage a CPU runs, require_exact) cut to a
+    few tokens, shared by the assertions below."""
+    wd = tmp_path_factory.mktemp("v4")
+    cfg = copy.deepcopy(V4)
+    cfg["campaign"] = "v4-e2e"
+    for case in cfg["cases"]:
+        case["max_new_tokens"] = 10  # the prompts (28-65 tokens) already leave the window and close entries
+    cfg["parity"]["batch_sizes"] = [1, 2]
+    cfg["bench"].update(batch_sizes=[1], new_tokens=4, warmup=0, repeats=1)
+    cfg["overlap"]["inputs"] = 2
+    cfg["quality"]["gsm8k"].update(limit=2, max_tokens=8)
+    cfg["profile"]["steps"] = 2
+    path = wd / "v4.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.perf_counter()
+    r = snakemake(wd, "--configfile", str(path))
+    print(f"v4 campaign: {time.perf_counter() - t0:.1f}s")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return only_evidence_dir(wd, "v4-e2e")
+
+
+def test_v4_campaign_is_token_exact_against_transformers(v4_run):
+    ev = v4_run
+    manifest = json.loads((ev / MANIFEST).read_text())
+    assert manifest["verdict"] == "all_token_text_exact" and manifest["gates"]["parity"] == "all_token_text_exact"
+    comparison = json.loads((ev / "parity/comparison.json").read_text())
+    assert comparison["verdict"] == "all_token_text_exact"
+    cells = comparison["cells"]
+    assert sorted({(c["backend"], c["kernels"], c["batch"]) for c in cells}) == [("single", "torch", 1),
+                                                                                  ("single", "torch", 2)]
+    assert len(cells) == 2 * len(V4["cases"])
+    for c in cells:  # every case, free-running and teacher-forced in float32
+        assert c["verdict"] == "all_token_text_exact" and c["first_divergence"] is None, c
+        assert c["logic"]["pass"] and c["logic"]["max"] < 1e-4 and c["logic"]["top1_agreement"] == 1.0, c
+    oracle = json.loads((ev / "oracle/hf.json").read_text())
+    assert oracle["implementation"].startswith("transformers.DeepseekV4ForCausalLM")
+    assert all(len(c["prompt_ids"]) > 2 * 8 for c in oracle["cases"])  # past the sliding window of 8
+    recorded = yaml.safe_load((ev / "config.yaml").read_text())
+    assert recorded["checkpoint"]["config"]["model_type"] == "deepseek_v4"
+    assert "skipped" not in json.loads((ev / "checkpoint.json").read_text())  # no MTP tensors written
+
+
+def test_v4_campaign_runs_every_cpu_stage(v4_run):
+    ev = v4_run
+    manifest = json.loads((ev / MANIFEST).read_text())
+    stages = dict(manifest["stages"])
+    assert stages.pop("kernel_audit") == "skipped"  # nothing compiles without CUDA
+    assert stages == {s: "ok" for s in ("context", "checkpoint", "oracle", "parity-single", "compare", "bench-single",
+                                        "bench-hf", "bench_report", "overlap", "quality", "profile")}
+    for rel in ("bench/single-b1.json", "bench/hf-b1.json", "bench/summary.csv", "plots/bench.png",
+                "overlap/screen.json", "plots/overlap.png", "kernels/audit.json", "quality/gsm8k-engine.json",
+                "quality/gsm8k-hf.json", "logs/quality-engine-server.log", "profile/capture.json",
+                "profile/kernels.csv", "plots/profile.png"):
+        assert (ev / rel).is_file(), rel
+    screen = json.loads((ev / "overlap/screen.json").read_text())  # the model's own C4 projections, bitwise
+    screened = screen["shapes"].get("configured") or screen["shapes"]
+    assert {k: screened[k] for k in ("source", "K", "segments", "gemm_n")} == {
+        "source": "model", "K": 64, "segments": [128, 64, 8], "gemm_n": 64}, screen["shapes"]
+    assert screen["bitwise"]["all_outputs_equal"] == screen["bitwise"]["inputs"] == 2
+    assert manifest["gates"]["overlap"] == "not_measured"  # no timing without CUDA, never a pass
+    audit = json.loads((ev / "kernels/audit.json").read_text())
+    assert audit["verdict"] == "not_compiled" and any(k.startswith("DeepSeek-V4") for k in audit["not_covered"])
+    gate = json.loads((ev / "quality/gsm8k-gate.json").read_text())
+    assert gate["advisory"] and gate["random_weights"]
+    assert gate["gates"][0]["same_completion"] == gate["gates"][0]["rows"] == 2  # the engine answers as transformers
+    capture = json.loads((ev / "profile/capture.json").read_text())
+    assert capture["tool"] == "torch" and capture["steps"] == 2
+    parts = capture["floor"]["bytes"]
+    assert parts["cache"] > 0 and parts["chosen_experts"] == 3 * 2 * 3 * 64 * 32 * 4  # layers x top-k x expert
+    summary = (ev / "SUMMARY.md").read_text()
+    assert "transformers DeepseekV4 oracle" in summary and "DeepSeek-V4 attention" in summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
 
-from engine.config import ModelArgs
+from engine.config import V4, ModelArgs, V4Args, args_from_hf
 from workflow import checkpoints, estimate, runs
 from workflow.evidence import MANIFEST, sha256_bytes
 
@@ -26,9 +27,17 @@ from workflow.evidence import MANIFEST, sha256_bytes
 HF_ONLY = {"architectures", "model_type", "torch_dtype", "dtype", "initializer_range", "use_cache",
            "pretraining_tp", "attention_dropout", "output_router_logits", "head_dim", "qk_head_dim",
            "rope_theta", "rope_scaling", "transformers_version"}
-MODEL_KEYS = {f.name for f in dataclasses.fields(ModelArgs)} | HF_ONLY
+# DeepseekV4Config's legacy keys (folded into layer_types, compress_rates, mlp_layer_types, partial_rotary_factor by
+# its __post_init__, as engine.config.V4Args.from_hf folds them) and its training-only fields
+V4_HF_ONLY = {"compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
+              "router_aux_loss_coef", "router_jitter_noise"}
+MLA_KEYS = {f.name for f in dataclasses.fields(ModelArgs)} | HF_ONLY  # DeepSeek-V2 and V3
+V4_KEYS = {f.name for f in dataclasses.fields(V4Args)} | HF_ONLY | V4_HF_ONLY
+MODEL_KEYS = MLA_KEYS | V4_KEYS  # a config's own family's are checked: family_keys
 MODELS = Path(__file__).resolve().parents[1] / "config/models"  # checkpoint.base: <name>.yaml
 OPTIONAL = {"rope_scaling"}  # of the tiny model's fields: absent means plain RoPE
+# model_type -> the shipped model whose fields a complete checkpoint.config of that family states
+TINY_OF = {V4: "deepseek-v4-tiny"}
 # A stage that needs another's output brings it (the `stages:` key).
 NEEDS = {"parity": "oracle"}
 # An old key read as its new name, with a warning: a campaign file written for an earlier version still runs.
@@ -43,9 +52,10 @@ def model_config(name: str) -> dict:
     return yaml.safe_load((MODELS / f"{name}.yaml").read_text())
 
 
-def required_fields() -> list[str]:
-    """What a complete checkpoint.config states: the fields of the tiny model but OPTIONAL."""
-    return sorted(set(model_config("tiny")) - OPTIONAL)
+def required_fields(model_type: str | None = None) -> list[str]:
+    """What a complete checkpoint.config states: the fields of the family's tiny model (DeepSeek-V2/V3: `tiny`,
+    DeepSeek-V4: `deepseek-v4-tiny`) but OPTIONAL."""
+    return sorted(set(model_config(TINY_OF.get(model_type, "tiny"))) - OPTIONAL)
 
 
 def report(problems: list[tuple[str, str]]) -> str:
@@ -136,11 +146,22 @@ def schema_problems(config: dict, schema: str) -> list[tuple[str, str]]:
                                "whose `stages` leave both out needs none)"))
         else:
             out.append((where, e.message))
-    model = config.get("checkpoint", {}).get("config") if isinstance(config.get("checkpoint"), dict) else None
+    spec = config.get("checkpoint") if isinstance(config.get("checkpoint"), dict) else {}
+    model = spec.get("config")
     if isinstance(model, dict):
-        out += [("checkpoint.config", f"unknown DeepSeek config field {k!r}{did_you_mean(k, sorted(MODEL_KEYS))}")
-                for k in sorted(set(model) - MODEL_KEYS, key=str)]
+        known = family_keys(model, spec.get("base"))
+        out += [("checkpoint.config", f"unknown DeepSeek config field {k!r}{did_you_mean(k, sorted(known))}")
+                for k in sorted(set(model) - known, key=str)]
     return out
+
+
+def family_keys(model: dict, base=None) -> set:
+    """The fields a checkpoint.config of its family may state: DeepSeek-V4's (model_type deepseek_v4, given or the
+    base's) or the MLA family's (DeepSeek-V2, V3)."""
+    kind = model.get("model_type")
+    if kind is None and isinstance(base, str) and base in models():
+        kind = model_config(base).get("model_type")
+    return V4_KEYS if kind == V4 else MLA_KEYS
 
 
 def resolve_model(config: dict, problems: list) -> dict | None:
@@ -163,7 +184,7 @@ def resolve_model(config: dict, problems: list) -> dict | None:
                              f"(config/models/ has {', '.join(models())})"))
             return None
         spec["config"] = {**model_config(base), **spec["config"]}
-    missing = [f for f in required_fields() if f not in spec["config"]]
+    missing = [f for f in required_fields(spec["config"].get("model_type")) if f not in spec["config"]]
     if missing and not spec["config"]:
         problems.append(("checkpoint", f"no model: set checkpoint.base ({', '.join(models())}) or give "
                                        "checkpoint.config in full"))
@@ -178,7 +199,7 @@ def resolve_model(config: dict, problems: list) -> dict | None:
                          f"({', '.join(models())}) and keep checkpoint.config for the fields that differ"))
         return None
     try:
-        ModelArgs.from_hf(spec["config"])
+        args_from_hf(spec["config"])  # ModelArgs, or V4Args for model_type deepseek_v4
     except Exception as e:  # noqa: BLE001 - the engine's own check of the fields, whatever it raises
         problems.append(("checkpoint.config", str(e) or type(e).__name__))
         return None
@@ -204,8 +225,9 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     not be blank, and each must fit the model's context with its new tokens: counted with the tokenizer where it
     exists before any work (synthetic, local; a hub checkpoint's record counts them), else at least fewer new tokens
     than the context. The quality defaults are fitted and checked (estimate.fit_quality), the reference must be a
-    target, expert-parallel ranks must divide the experts, and `device: cuda` needs a GPU here (set
-    EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without one, whose jobs run elsewhere).
+    target, expert-parallel ranks must divide the experts, what the engine cannot run on the model is refused
+    (`v4_problems`), and `device: cuda` needs a GPU here (set EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without
+    one, whose jobs run elsewhere).
     """
     out = []
     for where, text in _strings(config):
@@ -252,11 +274,50 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     if experts and set(runs.EP_BACKENDS) & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
         out.append(("parallel.ep_size", f"{ep} ranks do not divide the model's {experts} routed experts "
                                         "(checkpoint.config.n_routed_experts)"))
+    if model_type(config, model) == V4:
+        out += v4_problems(config, model)
     if config["device"] == "cuda" and not os.environ.get("EVIDENT_SKIP_DEVICE_CHECK"):
         import torch  # only a cuda campaign pays for the import
 
         if not torch.cuda.is_available():
             out.append(("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto"))
+    return out
+
+
+def model_type(config: dict, model: dict | None) -> str | None:
+    """The campaign's model family before any work: a written model's config (DeepSeek-V2 where it names none), a
+    local checkpoint's config.json; None for a hub checkpoint (its config comes with the download) or an unreadable
+    one (the checkpoint record names what is wrong)."""
+    spec = config["checkpoint"]
+    if model is not None:
+        return checkpoints.family(model)
+    if spec["source"] == "local":
+        try:
+            return checkpoints.family(json.loads((Path(spec["path"]) / "config.json").read_text()))
+        except Exception:  # noqa: BLE001 - absent or damaged: the checkpoint record says so
+            return None
+    return None
+
+
+def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]]:
+    """What the engine cannot run on a DeepSeek-V4 model, for the stages that would run it: expert parallelism
+    (engine.checkpoint.load_model runs V4 on one device) and the `triton` decode path (engine/decode_kernels.py
+    knows the MLA model's projections only). What the model itself cannot be (mlp_bias, ...) engine.config.V4Args
+    refuses in resolve_model; the `graph` path is the engine's to accept or refuse."""
+    stages, out = set(config["stages"]), []
+    for section, stage in (("parity", "parity"), ("bench", "bench")):
+        ep = [b for b in config[section]["backends"] if b in runs.EP_BACKENDS]
+        if stage in stages and ep:
+            keep = ["single"] + (["hf"] if section == "bench" else [])
+            out.append((f"{section}.backends", f"{', '.join(ep)}: the engine runs DeepSeek-V4 on one device, without "
+                                               f"expert parallelism; keep {' and '.join(keep)}"))
+    if "parity" in stages and "triton" in config["parity"]["kernels"]:
+        out.append(("parity.kernels", "triton: the engine's Triton decode path (engine/decode_kernels.py) covers the "
+                                      "DeepSeek-V2/V3 model, not DeepSeek-V4; use torch (and graph)"))
+    if {"bench", "profile"} & stages and config["bench"]["kernels"] == "triton":
+        out.append(("bench.kernels", "triton: the engine's Triton decode path (engine/decode_kernels.py) covers the "
+                                     "DeepSeek-V2/V3 model, not DeepSeek-V4 (the benchmark and the profile time this "
+                                     "path); use torch or graph"))
     return out
 
 

@@ -1,8 +1,13 @@
 """HF-format checkpoint directories: the synthetic writer, hub fetch, hashing and verification.
 
-A synthetic checkpoint is a seeded random init of the DeepSeek-V2 architecture, written with the
-original per-expert parameter names that hub checkpoints use, a byte-level BPE tokenizer that
+A synthetic checkpoint is a seeded random init of the model's architecture (DeepSeek-V2, DeepSeek-V3 or
+DeepSeek-V4: `ARCHITECTURES`), written with the names hub checkpoints use (V2/V3: the original per-expert names;
+V4: DeepSeek's own names, which transformers' save_pretrained writes), a byte-level BPE tokenizer that
 `AutoTokenizer` loads, and HF config files. Same seed, config and dtype give byte-identical files.
+
+Init (`_init`): norm weights and DeepSeek-V4's hyper-connection scales are ones; V4's hash-routing tables
+(`ffn.gate.tid2eid`, [vocab, top_k]) hold seeded expert ids, distinct within a row, written as int64 whatever the
+campaign's dtype (`INTEGER`); everything else is N(0, init_std).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ import copy
 import hashlib
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Callable
 
 from safetensors import safe_open
 
+from engine.config import V4
 from workflow.evidence import read_json, sha256_file, write_json, write_text
 
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -54,7 +61,12 @@ class CheckpointInvalid(ValueError):
 # --- synthetic ------------------------------------------------------------------------------
 
 # model_type -> transformers' native class of the family (its config class: the same name, Config for ForCausalLM)
-ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 V4: "DeepseekV4ForCausalLM"}
+# DeepSeek-V4's checkpoint tensors that are not floats: the hash layers' token -> experts table, int64 on disk
+INTEGER = re.compile(r"(^|\.)gate\.tid2eid$")
+# DeepSeek-V4's hyper-connection scales (hc_attn_scale, hc_ffn_scale, hc_head.hc_scale): ones, as norm weights
+ONES = re.compile(r"(norm\.weight|(^|\.|_)hc_(attn_|ffn_|head_)?scale)$")
 
 
 def family(hf_config: dict) -> str:
@@ -72,19 +84,32 @@ def hf_classes(model_type: str):
 
 def parameter_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     """Names and shapes from the real transformers model built on the meta device (buffers included: V3's score
-    correction bias is a checkpoint tensor). Packed expert tensors are unpacked to the per-expert names of the
-    original checkpoints.
+    correction bias and V4's tid2eid are checkpoint tensors). V2/V3: packed expert tensors are unpacked to the
+    per-expert names of the original checkpoints. V4: the names save_pretrained writes (transformers'
+    revert_weight_conversion: DeepSeek's own names, per-expert w1/w2/w3), which from_pretrained converts back.
     """
     import torch
 
-    config_cls, model_cls = hf_classes(family(hf_config))
+    model_type = family(hf_config)
+    config_cls, model_cls = hf_classes(model_type)
     try:  # a copy: transformers rewrites the rope dict it is given in place (type -> rope_type)
         cfg = config_cls(**copy.deepcopy(hf_config))
     except (TypeError, ValueError) as e:
         raise CheckpointInvalid(f"checkpoint.config is not a valid {config_cls.__name__}: {e}") from e
     with torch.device("meta"):
         model = model_cls(cfg)
-    return {name: tuple(t.shape) for name, t in per_expert(model.state_dict(), cfg.tie_word_embeddings).items()}
+    return {name: tuple(t.shape) for name, t in saved_state(model, model_type, cfg.tie_word_embeddings).items()}
+
+
+def saved_state(model, model_type: str, tied: bool) -> dict:
+    """A transformers model's tensors under the names this module writes (a tied lm_head left out): V2/V3
+    `per_expert`; V4 what save_pretrained writes (transformers' revert_weight_conversion)."""
+    if model_type != V4:
+        return per_expert(model.state_dict(), tied)
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    return revert_weight_conversion(model, state)
 
 
 def per_expert(state: dict, tied: bool) -> dict:
@@ -106,12 +131,22 @@ def per_expert(state: dict, tied: bool) -> dict:
     return out
 
 
-def _init(name: str, shape: tuple[int, ...], std: float, gen):
+def _init(name: str, shape: tuple[int, ...], std: float, gen, experts: int | None = None):
+    """One tensor of the seeded init (module docstring); `experts`: n_routed_experts, for a tid2eid table."""
     import torch
 
-    if name.endswith("norm.weight"):
+    if ONES.search(name):
         return torch.ones(shape)
+    if INTEGER.search(name):  # each row: top_k distinct experts, a seeded permutation's first k
+        rows, k = shape
+        keys = torch.rand((rows, experts), generator=gen, device=gen.device)
+        return keys.argsort(dim=1, stable=True)[:, :k].to("cpu", torch.int64)
     return (torch.randn(shape, generator=gen, device=gen.device) * std).cpu()
+
+
+def _itemsize(name: str, itemsize: int) -> int:
+    """Bytes an element of a written tensor: the campaign dtype's, int64 for INTEGER tensors."""
+    return 8 if INTEGER.search(name) else itemsize
 
 
 def _bytes_alphabet() -> list[str]:
@@ -194,9 +229,13 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
     cfg = full_config(hf_config, dtype)
     shapes = sorted(parameter_shapes(cfg).items())
     gen = torch.Generator(device=init_device).manual_seed(seed)
-    _save_sharded(out, shapes, DTYPE_BYTES[dtype],
-                  lambda name, shape: _init(name, shape, init_std, gen).to(torch_dtype(dtype)).contiguous(),
-                  progress or (lambda line: None))
+    experts, dt = cfg.get("n_routed_experts"), torch_dtype(dtype)
+
+    def draw(name, shape):
+        t = _init(name, shape, init_std, gen, experts)
+        return (t if INTEGER.search(name) else t.to(dt)).contiguous()
+
+    _save_sharded(out, shapes, DTYPE_BYTES[dtype], draw, progress or (lambda line: None))
     write_json(out / "evident_synthetic.json", {"seed": seed, "init_std": init_std, "dtype": dtype,
                                                 "init_device": init_device, "torch": torch.__version__})
     write_model_files(out, cfg)
@@ -204,10 +243,14 @@ def write_synthetic(out_dir: str | Path, hf_config: dict, seed: int, init_std: f
 
 
 def write_weights(out_dir: str | Path, tensors: dict, dtype: str, progress: Callable[[str], None] | None = None) -> None:
-    """Named tensors (per-expert names) as the synthetic writer lays them out: name order, same shards."""
+    """Named tensors (per-expert names) as the synthetic writer lays them out: name order, same shards (INTEGER
+    tensors stay int64)."""
+    import torch
+
     dt = torch_dtype(dtype)
     _save_sharded(Path(out_dir), sorted((n, tuple(t.shape)) for n, t in tensors.items()), DTYPE_BYTES[dtype],
-                  lambda name, shape: tensors[name].detach().to("cpu", dt).contiguous(), progress or (lambda line: None))
+                  lambda name, shape: tensors[name].detach().to("cpu", torch.int64 if INTEGER.search(name) else dt)
+                  .contiguous(), progress or (lambda line: None))
 
 
 def write_model_files(out: Path, cfg: dict) -> None:
@@ -239,7 +282,7 @@ def shard_plan(sizes: list[tuple[str, int]]) -> list[list[str]]:
 def _save_sharded(out: Path, shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, draw, progress) -> None:
     from safetensors.torch import save_file
 
-    nbytes = {name: itemsize * math.prod(shape) for name, shape in shapes}
+    nbytes = {name: _itemsize(name, itemsize) * math.prod(shape) for name, shape in shapes}
     shape_of = dict(shapes)
     plan = shard_plan(list(nbytes.items()))
     total, done, t0 = sum(nbytes.values()), 0, time.monotonic()

@@ -1,7 +1,8 @@
 """What a campaign needs, known before any work: the model's size against this machine, prompts against its context.
 
-Size. P parameters (counted from the DeepSeek-V2 config, the tensors transformers builds; a test checks the count
-against checkpoints.parameter_shapes; a local checkpoint: its safetensors headers), s bytes a parameter in the
+Size. P parameters (counted from the model's config, the tensors transformers builds, buffers in the checkpoint
+included: DeepSeek-V2/V3 `parameters`, DeepSeek-V4 `v4_parameters`; tests check the counts against
+checkpoints.parameter_shapes; a local checkpoint: its safetensors headers), s bytes a parameter in the
 campaign's dtype (float32 4, bfloat16 and float16 2), shard = checkpoints.MAX_SHARD_BYTES (4 GiB):
 
     weights      = P * s
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelArgs
+from engine.config import CSA, HASH_MOE, HCA, V4, ModelArgs, V4Args, args_from_hf
 from workflow import checkpoints, gsm8k
 from workflow.evidence import config_hash
 
@@ -48,8 +49,16 @@ MAX_VOCAB = 1 << 20  # above it the synthetic tokenizer is not built before work
 # --- size -----------------------------------------------------------------------------------------
 
 def parameters(hf_config: dict) -> int:
-    """Parameters of DeepseekV2ForCausalLM for this config (unset fields take DeepseekV2Config's defaults)."""
-    a = ModelArgs.from_hf(hf_config)
+    """Parameters of the config's transformers model (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+    DeepseekV4ForCausalLM; unset fields take the config class's defaults)."""
+    a = args_from_hf(hf_config)
+    if a.model_type == V4:
+        return v4_parameters(a)
+    return _mla_parameters(a)
+
+
+def _mla_parameters(a: ModelArgs) -> int:
+    """DeepSeek-V2/V3: embedding, MLA, dense and MoE layers, the head."""
     h, heads, layers = a.hidden_size, a.num_attention_heads, a.num_hidden_layers
     bias = int(a.attention_bias)
     kv_a = a.kv_lora_rank + a.qk_rope_head_dim
@@ -66,6 +75,36 @@ def parameters(hf_config: dict) -> int:
     embed = a.vocab_size * h
     return (embed + layers * (attention + 2 * h) + dense * mlp(a.intermediate_size) + (layers - dense) * moe + h
             + (0 if a.tie_word_embeddings else embed))
+
+
+def v4_parameters(a: V4Args) -> int:
+    """DeepSeek-V4's checkpoint tensors (transformers' DeepseekV4ForCausalLM: parameters and the tid2eid buffers),
+    per layer:
+
+        attention   q_a (h*q), its norm (q), q_b (q*H*d), kv (h*d), its norm (d), the grouped output projection
+                    (o_a: H*d*o_lora, o_b: g*o_lora*h), sinks (H)
+        compressor  CSA (rate m, overlapping windows): kv and gate h*2d each, position bias m*2d, norm d; its
+                    indexer the same at index_head_dim c (h*2c twice, m*2c, c), q_b (q*n_I*c), weights_proj (h*n_I);
+                    HCA: kv and gate h*d each, position bias m*d, norm d; sliding layers none
+        MoE         the router (E*h) and its correction bias (E) or, hash layers, tid2eid (vocab*k); E routed experts
+                    (3*h*I each) and one shared expert of moe_intermediate_size I (biases with mlp_bias)
+        the rest    2 norms (2h), 2 hyper-connections ((2+n)*n * n*h + (2+n)*n + 3 each, n = hc_mult)
+
+    and the embedding, the final norm, the hyper head (n * n*h + n + 1) and lm_head (unless tied)."""
+    h, H, d, q, n = a.hidden_size, a.num_attention_heads, a.head_dim, a.q_lora_rank, a.hc_mult
+    E, I, c, nI = a.n_routed_experts, a.moe_intermediate_size, a.index_head_dim, a.index_n_heads
+    attention = (h * q + q + q * H * d + h * d + d + H * d * a.o_lora_rank + a.o_groups * a.o_lora_rank * h + H)
+    hc = (2 + n) * n * n * h + (2 + n) * n + 3
+    shared = 3 * h * I + int(a.mlp_bias) * (2 * I + h)
+    total = 0
+    for i, (kind, mlp) in enumerate(zip(a.layer_types, a.mlp_layer_types)):
+        m = a.ratio(i)
+        compressor = {CSA: 2 * h * 2 * d + m * 2 * d + d + 2 * h * 2 * c + m * 2 * c + c + q * nI * c + h * nI,
+                      HCA: 2 * h * d + m * d + d}.get(kind, 0)
+        router = E * h + (a.vocab_size * a.num_experts_per_tok if mlp == HASH_MOE else E)
+        total += attention + compressor + router + E * 3 * h * I + shared + 2 * h + 2 * hc
+    embed = a.vocab_size * h
+    return total + embed + h + n * n * h + n + 1 + (0 if a.tie_word_embeddings else embed)
 
 
 def local_parameters(path: str | Path) -> int | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import mtp_tensor
-from engine.config import ModelArgs
+from engine.config import load_args
 from workflow import checkpoints
 
 
@@ -24,9 +24,9 @@ def load(ckpt_dir: Path, dtype: str, device: str):
     placement = {"device_map": device} if device != "cpu" else {}
     model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=checkpoints.DTYPES[dtype],
                                                        output_loading_info=True, **placement)
-    # DeepSeek-V3's multi-token-prediction layers are no part of the causal LM (transformers ignores them at a
-    # 61-layer model's index only): unexpected there, and not run by either side
-    args = ModelArgs.load(ckpt_dir)
+    # multi-token-prediction layers are no part of the causal LM (transformers ignores DeepSeek-V3's at a 61-layer
+    # model's index only, DeepSeek-V4's mtp.* module always): unexpected there, and not run by either side
+    args = load_args(ckpt_dir)
     info["unexpected_keys"] = [k for k in info.get("unexpected_keys", []) if not mtp_tensor(k, args)]
     bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:

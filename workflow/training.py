@@ -1,5 +1,6 @@
 """Trained checkpoints (`checkpoint.source: trained`): the synthetic checkpoint of the same seed, trained with
-transformers' own model of the family (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM: checkpoints.hf_classes) on the arithmetic word problems of workflow/arithmetic.py (train split
+transformers' own model of the family (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV4ForCausalLM:
+checkpoints.hf_classes) on the arithmetic word problems of workflow/arithmetic.py (train split
 only), written as the synthetic writer writes: per-expert names, name order, the same shards and tokenizer.
 
 Rows are `seq_len` tokens: BOS, then `Question: … Answer: … #### N` pairs back to back, the GSM8K shot format.
@@ -107,7 +108,7 @@ def train(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtyp
             say(f"step {step + 1}/{spec['steps']}: loss {losses[-1]:.4f}, {last - t0:.0f}s")
     out.mkdir(parents=True, exist_ok=True)
     tail = losses[-max(1, len(losses) // 10):]
-    state = checkpoints.per_expert(model.state_dict(), bool(cfg.get("tie_word_embeddings")))
+    state = checkpoints.saved_state(model, checkpoints.family(hf_config), bool(cfg.get("tie_word_embeddings")))
     checkpoints.write_weights(out, state, dtype, say)
     # No time or host figure here: the file is part of the checkpoint's bytes.
     write_json(out / "evident_trained.json", {

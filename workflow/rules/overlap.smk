@@ -1,9 +1,13 @@
+from engine.config import V4
+
 # Overlap A/B screen: split GEMVs on the main stream vs the fused GEMV on a side stream beside a GEMM.
 # Bitwise on fresh inputs everywhere (Triton interpreter on the CPU); CUDA graph timings on a GPU.
 
 
 rule overlap:
     input:
+        # a DeepSeek-V4 model's own C4 layer is screened with its weights: only then is the checkpoint an input
+        ckpt=[CKPT] if (config["checkpoint"].get("config") or {}).get("model_type") == V4 else [],
         config=rules.context.output.config,
     output:
         screen=f"{E}/overlap/screen.json",
@@ -16,9 +20,10 @@ rule overlap:
     params:
         py=on_gpus(1),
         ev=evidence_dir,
+        weights=lambda wildcards, input: f"--checkpoint {input.ckpt}" if input.ckpt else "",
     log:
         f"{E}/logs/overlap.log",
     benchmark:
         f"{E}/logs/overlap.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.overlap --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m workflow.stages.overlap {params.weights} --evidence {params.ev} 2>&1 | tee {log}"

@@ -3,7 +3,8 @@
 `fetch` fills the checkpoint cache (synthetic: the size estimate first, then a seeded write that reports its
 progress; trained: the estimate, then training with a line of step and loss, workflow/training.py; hub: pinned
 snapshot, then its estimate); `record` verifies the directory (missing or corrupt files,
-expected sha256) and writes checkpoint.json.
+expected sha256) and writes checkpoint.json (with `skipped` when the files hold multi-token-prediction tensors:
+DeepSeek-V3's layers after the model's own, DeepSeek-V4's `mtp.*` module).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from engine.checkpoint import CheckpointError, mtp_tensors
+from engine.config import V4
 from workflow import checkpoints, environment, estimate, training
 from workflow.evidence import Stage, read_config, read_json
 
@@ -49,6 +51,8 @@ def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
 
 MTP_SKIP = ("DeepSeek-V3's multi-token-prediction layers (num_mtp_layers): greedy decoding runs without them, as "
             "transformers' DeepseekV3ForCausalLM does; neither the engine nor the oracle reads them")
+MTP_SKIP_V4 = ("DeepSeek-V4's multi-token-prediction module (mtp.*, num_nextn_predict_layers): greedy decoding runs "
+               "without it, as transformers' DeepseekV4ForCausalLM does; neither the engine nor the oracle reads it")
 
 
 def record(ckpt_dir: Path, evidence: Path) -> None:
@@ -71,7 +75,8 @@ def record(ckpt_dir: Path, evidence: Path) -> None:
         except (CheckpointError, NotImplementedError, ValueError) as e:  # a config the engine cannot read
             raise checkpoints.CheckpointInvalid(f"{ckpt_dir}: {e}") from e
         if skipped:  # in the files, never run: the evidence says so
-            rec["skipped"] = {"tensors": len(skipped), "first": skipped[0], "why": MTP_SKIP}
+            v4 = read_json(ckpt_dir / "config.json").get("model_type") == V4
+            rec["skipped"] = {"tensors": len(skipped), "first": skipped[0], "why": MTP_SKIP_V4 if v4 else MTP_SKIP}
         st.write_json("checkpoint.json", rec)
         st.metrics["bytes"] = sum(f["size"] for f in files.values())
         print(f"[checkpoint] {len(files)} files, {st.metrics['bytes'] / 1e6:.1f} MB verified", flush=True)

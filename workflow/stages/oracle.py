@@ -1,4 +1,4 @@
-"""Stage `oracle`: greedy generation with transformers' own model of the checkpoint (DeepseekV2, DeepseekV3; no
+"""Stage `oracle`: greedy generation with transformers' own model of the checkpoint (DeepseekV2, DeepseekV3, DeepseekV4; no
 remote code).
 
 Writes oracle/hf.json: per case the prompt ids, generated ids, decoded text, their hashes and

@@ -4,7 +4,8 @@ The experiment is kernels/overlap.py (the variants, the bitwise comparison, the 
 turns the campaign into shapes, runs the experiment and writes the evidence.
 
 Shapes: the campaign's model's own where it has the screened projections (`model_shapes`: DeepSeek-V4's C4
-auxiliary GEMVs), else overlap.K, overlap.segments and overlap.gemm_n as the campaign states them; with neither
+auxiliary GEMVs; with the checkpoint, `layer_weights`: its first C4 layer's own weights, in the campaign's dtype),
+else overlap.K, overlap.segments and overlap.gemm_n as the campaign states them; with neither
 the stage is recorded as skipped with SKIP_REASON (verdict `not_measured`; the timings header only and a plot
 saying so). Without CUDA the bitwise part runs through the Triton interpreter on small shapes (CPU_SHAPES) and
 timing is recorded as not measured, with the reason; overlap/timings.csv then holds the header only.
@@ -25,12 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.config import V4
 from kernels.overlap import BLOCKS, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, Problem, bitwise, samples, timing
 from workflow import benchstats, checkpoints
 from workflow.environment import require_interpreter, resolve_device
 from workflow.evidence import Stage, read_config, write_bytes, write_text
 
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
+NO_TIMING = "no CUDA device: the Triton interpreter ran the bitwise part; timing needs a GPU"
+CPU_OWN = 1 << 18  # a model's own C4 layer this small (K x joined rows) runs under the interpreter as it is
 SKIP_REASON = ("the campaign's model has no auxiliary GEMV projections to screen and the campaign states no "
                "overlap shapes")
 STATED = ("K", "segments", "gemm_n")  # overlap keys that state the shapes: all three, or none
@@ -158,9 +162,18 @@ def model_shapes(model: dict) -> dict | None:
     """The screened projections of a DeepSeek-V4-style model (transformers' DeepseekV4Config names), all reading
     hidden_size: a C4 layer's compressor kv_proj + gate_proj (2 x 2*head_dim), its indexer's kv_proj + gate_proj
     (2 x 2*index_head_dim) and scorer weights_proj (index_n_heads), beside q_a_proj (q_lora_rank) and kv_proj
-    (head_dim) on the main stream. None for a model without a compressor (DeepSeek-V2). The V4 issue fills
-    in the rest (which layers are C4, transformers' defaults for absent fields)."""
-    if all(model.get(f) is None for f in COMPRESSOR_FIELDS):
+    (head_dim) on the main stream. None for a model without a compressor (DeepSeek-V2). A `deepseek_v4` config is
+    read as the engine reads it (engine.config.V4Args: transformers' defaults for absent fields, the layer schedule
+    derived): None when none of its layers is a C4 (compressed sparse attention) layer."""
+    if model.get("model_type") == V4:
+        from engine.config import CSA, args_from_hf
+
+        a = args_from_hf(model)
+        if CSA not in a.layer_types:
+            return None
+        model = {f: getattr(a, f) for f in ("hidden_size", "head_dim", "index_head_dim", "index_n_heads",
+                                            "q_lora_rank")}
+    elif all(model.get(f) is None for f in COMPRESSOR_FIELDS):
         return None
     missing = [f for f in ("hidden_size", "head_dim", "index_head_dim", "index_n_heads", "q_lora_rank")
                if model.get(f) is None]
@@ -193,7 +206,7 @@ def shapes_of(config: dict, cuda: bool) -> dict | None:
     segs, dts = list(screened["segments"]), list(cfg["segment_dtypes"])
     if len(segs) != len(dts):
         raise ValueError(f"{screened['source']} segments {segs} and overlap.segment_dtypes {dts} differ in length")
-    if cuda:
+    if cuda or (model and screened["K"] * sum(segs) <= CPU_OWN):
         shape = {**screened, "reason": None}
     else:
         shape = {"source": "cpu-small", **CPU_SHAPES, "segments": CPU_SHAPES["segments"][:len(segs)],
@@ -201,20 +214,45 @@ def shapes_of(config: dict, cuda: bool) -> dict | None:
     return {**shape, "joined_n": sum(shape["segments"]), "segment_dtypes": dts, "dtype": cfg["dtype"]}
 
 
-def measure(shapes: dict, cfg: dict, device: str) -> tuple[dict, dict, list[list]]:
-    """Run the experiment of kernels/overlap.py on these shapes: (bitwise record, timing record, timing rows)."""
+def layer_weights(ckpt: Path, model: dict, dtype: str) -> tuple[dict, tuple]:
+    """The first C4 (compressed sparse attention) layer's own weights, as the engine's graph step runs them: the
+    auxiliary rows joined in launch order (compressor kv_proj, gate_proj; indexer kv_proj, gate_proj, weights_proj)
+    and the GEMM's (q_a_proj, kv_proj), in the campaign's dtype, every output in it too. (record, (w, wg))."""
+    from engine.checkpoint import read_tensors
+    from engine.config import CSA, args_from_hf
+    from engine.v4_checkpoint import engine_name
+
+    layer = args_from_hf(model).layer_types.index(CSA)
+    a, c, i = f"layers.{layer}.self_attn", f"layers.{layer}.self_attn.compressor", \
+        f"layers.{layer}.self_attn.compressor.indexer"
+    aux = [f"{c}.kv_proj", f"{c}.gate_proj", f"{i}.kv_proj", f"{i}.gate_proj", f"{i}.scorer.weights_proj"]
+    main = [f"{a}.q_a_proj", f"{a}.kv_proj"]
+    want = {n + ".weight" for n in aux + main}
+    tensors = read_tensors(str(ckpt), skip=lambda name: engine_name(name) not in want)[0]
+    by = {engine_name(k): t for k, t in tensors.items() if engine_name(k) in want}
+    dt = checkpoints.DTYPES[dtype]
+    w = torch.cat([by[n + ".weight"] for n in aux]).to(dt)
+    wg = torch.cat([by[n + ".weight"] for n in main]).to(dt)
+    return {"layer": layer, "aux": aux, "gemm": main, "dtype": dtype}, (w, wg)
+
+
+def measure(shapes: dict, cfg: dict, device: str, weights: tuple | None = None) -> tuple[dict, dict, list[list]]:
+    """Run the experiment of kernels/overlap.py on these shapes: (bitwise record, timing record, timing rows);
+    ``weights`` (joined auxiliary rows, GEMM rows): a model's own, kept for every input set."""
     cuda = device.startswith("cuda")
     gemv = _kernels(device)
     dt = checkpoints.DTYPES
     p = Problem(shapes["K"], shapes["segments"], [dt[d] for d in shapes["segment_dtypes"]], shapes["gemm_n"],
                 dt[shapes["dtype"]], device)
+    if weights is not None:
+        p.load(*(t.to(device) for t in weights))
     print(f"[overlap] {device}: K={p.K} -> {'+'.join(map(str, p.sizes))} ({', '.join(shapes['segment_dtypes'])}) "
           f"beside GEMM K={p.K} -> {p.gemm_n}, {cfg['inputs']} input sets"
-          + ("" if cuda else f"; {CPU_REASON}"), flush=True)
+          + ("" if cuda else f"; {shapes['reason'] or NO_TIMING}"), flush=True)
     with torch.inference_mode():
         bits, graphs = bitwise(gemv, p, cfg["inputs"])
         if not cuda:
-            return bits, {"measured": False, "reason": CPU_REASON, "envelopes": None}, []
+            return bits, {"measured": False, "reason": shapes["reason"] or NO_TIMING, "envelopes": None}, []
         meta, rows = timing(graphs, cfg["trials"], cfg["warmup"])
     envelopes = {}
     for env in ENVELOPES:
@@ -224,13 +262,19 @@ def measure(shapes: dict, cfg: dict, device: str) -> tuple[dict, dict, list[list
     return bits, timed, rows
 
 
-def run(evidence: Path) -> dict:
+def run(evidence: Path, ckpt: Path | None = None) -> dict:
     config = read_config(evidence / "config.yaml")
     cfg = config["overlap"]
     device = resolve_device(config["device"])
     cuda = device.startswith("cuda")
     with Stage(evidence, "overlap", params={"device": device}) as st:
         shapes = shapes_of(config, cuda)
+        weights = None
+        if shapes is not None and shapes["source"] == "model" and ckpt is not None:
+            # the campaign's own C4 layer: its weights, its K and N, and its dtype for the weights and outputs
+            record, weights = layer_weights(ckpt, config["checkpoint"]["config"], config["dtype"])
+            shapes = {**shapes, "weights": record, "dtype": config["dtype"],
+                      "segment_dtypes": [config["dtype"]] * len(shapes["segments"])}
         if shapes is None:
             st.skip(SKIP_REASON)
             bits, rows = None, []
@@ -240,7 +284,7 @@ def run(evidence: Path) -> dict:
             st.params.update({"inputs": cfg["inputs"], "trials": cfg["trials"] if cuda else 0,
                               "warmup": cfg["warmup"] if cuda else 0, "shape_source": shapes["source"],
                               **{k: shapes[k] for k in ("K", "segments", "segment_dtypes", "gemm_n", "dtype")}})
-            bits, timed, rows = measure(shapes, cfg, device)
+            bits, timed, rows = measure(shapes, cfg, device, weights)
             verdict, reason = overall_verdict(bits["inputs"], bits["all_outputs_equal"], timed["envelopes"],
                                               timed["reason"])
         screen = {
@@ -278,9 +322,10 @@ def run(evidence: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--evidence", required=True, type=Path)
+    ap.add_argument("--checkpoint", type=Path, help="the campaign's checkpoint: a model's own C4 layer's weights")
     args = ap.parse_args(argv)
     try:
-        run(args.evidence)
+        run(args.evidence, args.checkpoint)
     except (ValueError, RuntimeError, benchstats.BenchError) as e:
         sys.exit(f"[overlap] error: {e}")
 
