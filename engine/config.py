@@ -23,6 +23,13 @@ ROUTINGS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("
 V4 = "deepseek_v4"
 
 
+def yarn_factor(rp: dict, max_position: int) -> float:
+    """A yarn rope dict's ``factor``; when null, max_position_embeddings / original_max_position_embeddings (as HF)."""
+    if rp.get("factor") is not None:
+        return rp["factor"]
+    return max_position / rp["original_max_position_embeddings"]
+
+
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
@@ -87,10 +94,7 @@ class ModelArgs:
     @property
     def rope_factor(self) -> float:
         """yarn ``factor``; when null, max_position_embeddings / original_max_position_embeddings (as HF)."""
-        rp = self.rope_parameters
-        if rp.get("factor") is not None:
-            return rp["factor"]
-        return self.max_position_embeddings / rp["original_max_position_embeddings"]
+        return yarn_factor(self.rope_parameters, self.max_position_embeddings)
 
     @property
     def softmax_scale(self) -> float:

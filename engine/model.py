@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelArgs, yarn_get_mscale
+from .config import ModelArgs, yarn_factor, yarn_get_mscale
 from .parallel import ExpertParallel
 
 
@@ -26,9 +26,9 @@ def rope_inv_freq(rp: dict, dim: int, max_position: int) -> tuple[torch.Tensor, 
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
     if rp.get("rope_type", "default") == "default":
         return 1.0 / pos_freqs, 1.0
-    # yarn (HF _compute_yarn_parameters); factor null: max_position_embeddings / original_max_position_embeddings
+    # yarn (HF _compute_yarn_parameters)
     orig = rp["original_max_position_embeddings"]
-    factor = rp["factor"] if rp.get("factor") is not None else max_position / orig
+    factor = yarn_factor(rp, max_position)
     mscale, mscale_all_dim = rp.get("mscale"), rp.get("mscale_all_dim")
     attention_factor = rp.get("attention_factor")
     if attention_factor is None:

@@ -88,9 +88,8 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         n, iters = hc
         w = (2 + n) * n
         outs = (torch.empty(8, n, device=device), torch.empty(8, n, device=device), torch.empty(8, n, n, device=device))
-        compiled = hc_kernel._hc_kernel[(8,)](rand(8, w, dt=torch.float32), rand(w, dt=torch.float32),
-                                              rand(3, dt=torch.float32), *outs, N=n, NP=max(2, 1 << (n - 1).bit_length()),
-                                              ITERS=iters, EPS=1e-6, num_warps=1, PDL=False)
+        compiled = hc_kernel._launch(rand(8, w, dt=torch.float32), rand(w, dt=torch.float32), rand(3, dt=torch.float32),
+                                     outs, n, iters, 1e-6)
         rows.append(resources("hc_weights", compiled, n=n, iters=iters, dtype="float32"))
     for dt in (torch.float32, dtype):
         logits = rand(8, vocab, dt=dt)

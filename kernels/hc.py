@@ -95,10 +95,15 @@ def hc_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: in
     pre = torch.empty(rows, n, dtype=torch.float32, device=mix.device)
     post = torch.empty_like(pre)
     comb = torch.empty(rows, n, n, dtype=torch.float32, device=mix.device)
-    _hc_kernel[(rows,)](flat, base.contiguous(), scale.contiguous(), pre, post, comb, N=n,
-                        NP=max(2, triton.next_power_of_2(n)), ITERS=iters, EPS=float(eps), num_warps=1,
-                        **pdl.flags(mix.device))
+    _launch(flat, base.contiguous(), scale.contiguous(), (pre, post, comb), n, iters, eps)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def _launch(mix, base, scale, outs, n: int, iters: int, eps: float):
+    """One launch over mix's rows into outs (pre, post, comb); returns Triton's compiled kernel (None under the
+    interpreter)."""
+    return _hc_kernel[(mix.shape[0],)](mix, base, scale, *outs, N=n, NP=max(2, triton.next_power_of_2(n)),
+                                       ITERS=iters, EPS=float(eps), num_warps=1, **pdl.flags(mix.device))
 
 
 __all__ = ["MAX_N", "hc_weights", "hc_reference", "hc_reason"]

@@ -172,39 +172,40 @@ def test_checkpoint_in_deepseek_names_loads_with_mtp_skipped(tmp_path):
     assert kinds["layers.1.mlp.experts.gate_up_proj"] == kinds["layers.1.self_attn.q_a_proj.weight"] == torch.bfloat16
 
 
-def test_bad_tid2eid_and_missing_tensors_are_refused(tmp_path):
-    hf = hf_model("all-types")
-    hf.save_pretrained(tmp_path)
+def saved(tmp_path):
+    """(its tensors, rewrite(tensors)): transformers' tiny model saved in DeepSeek's names, to be altered."""
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(tmp_path / "model.safetensors")
+    hf_model("all-types").save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors"), \
+        lambda tensors: save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_bad_tid2eid_and_missing_tensors_are_refused(tmp_path):
+    tensors, rewrite = saved(tmp_path)
     key = next(k for k in tensors if k.endswith("gate.tid2eid"))
     good = tensors[key].clone()
     tensors[key] = good + 100
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    rewrite(tensors)
     with pytest.raises(CheckpointError, match="expert ids"):
         load_model(tmp_path)
     tensors[key] = good
     del tensors[next(k for k in tensors if k.endswith("attn_sink"))]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    rewrite(tensors)
     with pytest.raises(CheckpointError, match="sinks"):
         load_model(tmp_path)
 
 
 def test_fp8_and_misshapen_experts_are_refused(tmp_path):
-    hf = hf_model("all-types")
-    hf.save_pretrained(tmp_path)
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(tmp_path / "model.safetensors")
+    tensors, rewrite = saved(tmp_path)
     key = next(k for k in tensors if k.endswith("ffn.experts.0.w1.weight"))
     good = tensors[key].clone()
     tensors[key] = good[:, :-1].contiguous()
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    rewrite(tensors)
     with pytest.raises(CheckpointError, match="experts.0.w1.weight.*shape"):
         load_model(tmp_path)
     tensors[key] = good.to(torch.float8_e4m3fn)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    rewrite(tensors)
     with pytest.raises(CheckpointError, match="FP8"):
         load_model(tmp_path)
 

@@ -229,7 +229,7 @@ def layer_weights(ckpt: Path, model: dict, dtype: str) -> tuple[dict, tuple]:
     main = [f"{a}.q_a_proj", f"{a}.kv_proj"]
     want = {n + ".weight" for n in aux + main}
     tensors = read_tensors(str(ckpt), skip=lambda name: engine_name(name) not in want)[0]
-    by = {engine_name(k): t for k, t in tensors.items() if engine_name(k) in want}
+    by = {key: t for key, t in ((engine_name(k), t) for k, t in tensors.items()) if key in want}
     dt = checkpoints.DTYPES[dtype]
     w = torch.cat([by[n + ".weight"] for n in aux]).to(dt)
     wg = torch.cat([by[n + ".weight"] for n in main]).to(dt)
