@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow import checkpoints, logprobs  # noqa: E402
+from workflow import campaign, checkpoints, logprobs  # noqa: E402
 from workflow.evidence import read_json, write_json, write_text  # noqa: E402
 from workflow import session  # noqa: E402
 from workflow.runs import label  # noqa: E402
@@ -42,6 +42,10 @@ def campaign_config(path: Path, layers: int | None, batches: list[int], kernels:
     defaults = {k: v["default"] for k, v in schema.items() if "default" in v}
     cfg["parity"] = {**defaults, **cfg.get("parity", {}), "batch_sizes": batches, "backends": ["single"],
                      "kernels": kernels}
+    cfg["checkpoint"].setdefault("config", {})
+    problems: list = []
+    if campaign.resolve_model(cfg, problems) is None or problems:  # checkpoint.base merged, as the workflow does
+        raise SystemExit(f"{path}: {campaign.report(problems)}")
     if layers:
         cfg["checkpoint"]["config"]["num_hidden_layers"] = layers
     return cfg
