@@ -105,8 +105,8 @@ class CapturedStep:
         """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
         addresses), emptied (``reset``)."""
         key = (rows, -(-max_len // self.bucket) * self.bucket)
-        if key not in self.caches:
-            self.caches[key] = (self.model.new_cache(rows, max_len), {})
+        if key not in self.caches:  # the rounded length, which step() reads back from the cache
+            self.caches[key] = (self.model.new_cache(*key), {})
         cache = self.caches[key][0]
         cache.reset()
         return cache

@@ -62,3 +62,15 @@ def test_fused_aux_route_is_bitwise_equal_to_apart_and_runs(models, monkeypatch)
     g.fuse(True)
     assert torch.equal(fused, apart)
     assert not any(s in calls for s in (c4, [2 * a.head_dim]))
+
+
+def test_a_cache_rounded_to_the_bucket_is_the_one_its_step_looks_up(models):
+    """cache() rounds the length up (one capture and compile for many prompt lengths); step() finds the graph by
+    the cache's own length, so the cache must hold the rounded one (it held the asked-for length: on the H200 every
+    graph step refused its cache)."""
+    g = models[1].graph_decode
+    with torch.inference_mode():  # as generate asks for it: the cache is reset in place
+        cache, again = g.cache(2, 40), g.cache(2, 41)
+    assert cache.max_len % g.bucket == 0 and cache.max_len >= 40 and g.bucket > 1
+    assert again is cache
+    assert g.caches[(cache.lengths.shape[0], cache.max_len)][0] is cache
