@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--mutant-batch-sizes", default="1")
     ap.add_argument("--diagnose", action="store_true", help="where the torch path loses precision (one more load)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/device_parity"))
+    ap.add_argument("--oracle-from", type=Path, help="an evidence directory of this campaign on the same checkpoint: "
+                    "its oracle trace is reused (one load of the model in each dtype fewer)")
     a = ap.parse_args()
     kernels, batches = a.kernels.split(","), [int(b) for b in a.batch_sizes.split(",")]
     cfg = campaign_config(a.campaign, a.layers, batches, kernels)
@@ -155,7 +157,12 @@ def main() -> None:
     checkpoint.record(ckpt, ev)
     print(f"[device_parity] checkpoint {time.time() - t:.0f} s", flush=True)
     t = time.time()
-    oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+    if a.oracle_from:  # the campaign's own oracle: same cases, and the checkpoint's files must be the same
+        if read_json(a.oracle_from / "checkpoint.json")["files"] != read_json(ev / "checkpoint.json")["files"]:
+            raise SystemExit(f"--oracle-from {a.oracle_from}: its oracle ran on another checkpoint")
+        shutil.copytree(a.oracle_from / "oracle", ev / "oracle")
+    else:
+        oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
     print(f"[device_parity] oracle {time.time() - t:.0f} s", flush=True)
     # the torch path first, then the mutants and the diagnosis, then the other paths: partial output says most
     runs, table, diagnosis = [], [], []
