@@ -111,6 +111,13 @@ class CapturedStep:
         cache.reset()
         return cache
 
+    def release(self) -> None:
+        """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
+        for _, state in self.caches.values():
+            if "graph" in state:
+                state["graph"].reset()
+        self.caches.clear()
+
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per cache row) -> logits [B, vocab]; every row advances one position."""
         if not self.graphs:
@@ -168,11 +175,9 @@ class GraphDecode(CapturedStep):
             self.ep.before_close(self.release)
 
     def release(self) -> None:
-        """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
-        for _, state in self.caches.values():
-            if "graph" in state:
-                state["graph"].reset()
-        self.caches.clear()
+        """Free what the path holds of its own on the device (the expert parameters stay, views of the stacks)."""
+        super().release()
+        self.stacks.clear()
 
     # --- the step ----------------------------------------------------------------------------
     def _step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:

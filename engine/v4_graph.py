@@ -115,9 +115,6 @@ class V4GraphDecode(CapturedStep):
         for _, state in self.caches.values():  # a captured graph holds the other route
             state.pop("graph", None)
 
-    def release(self) -> None:
-        self.caches.clear()
-
     def _step(self, cache: V4Cache, tokens: torch.Tensor) -> torch.Tensor:
         # the warm-up step and the replay write the same ring slots and entries with the same values: only the
         # lengths need putting back

@@ -345,3 +345,17 @@ def test_the_flash_model_is_deepseek_v4_flash_s_width():
     tiny = V4Args.from_hf(V4_TINY)
     assert set(tiny.layer_types) == {S, C, H} and set(tiny.mlp_layer_types) == {"hash_moe", "moe"}
     assert tiny.index_n_heads >= 8  # exact ties of the indexer's scores stay rare
+
+
+def test_a_graph_session_reloads_into_another_dtype(ckpt):
+    """parity's teacher-forced runs reload the engine in float32; the V4 graph path must free its own (it had no
+    stacks to clear and failed on the H200 there)."""
+    from workflow.session import Session, load_engine
+
+    s = Session({}, "single", "cpu", load_engine(ckpt, "cpu", "bfloat16", None, "graph"), None, [], None, "graph", ckpt)
+    with torch.inference_mode():
+        s.model.graph_decode.cache(1, 8)
+    old = s.model.graph_decode
+    s.reload("float32")
+    assert not old.caches and s.model.graph_decode is not old
+    assert s.model.embed_tokens.weight.dtype == torch.float32

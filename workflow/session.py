@@ -44,9 +44,8 @@ class Session:
     def reload(self, dtype: str) -> None:
         """Swap the model for the same checkpoint and decode path in another dtype (the old one is freed first)."""
         graph = self.model.graph_decode
-        if graph is not None:  # its stacks and captured graphs hold device memory of their own
+        if graph is not None:  # its captured graphs (and V2/V3's stacks) hold device memory of their own
             graph.release()
-            graph.stacks.clear()
         self.model.to("meta")
         self.model = None
         gc.collect()
