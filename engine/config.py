@@ -213,7 +213,11 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
 MLP_TYPES = (HASH_MOE, MOE)
-_RATIO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy per-layer compress_ratios
+# transformers' DeepseekV4Config defaults, where a config leaves a field out
+DEFAULT_RATES = {CSA: 4, HCA: 128}  # tokens per compressed entry
+DEFAULT_HASH_LAYERS = 3  # the first layers' MLPs are hash-routed
+DEFAULT_PARTIAL_ROTARY = 64 / 512  # qk_rope_head_dim over head_dim
+_RATIO_TYPE = {0: SLIDING, **{r: t for t, r in DEFAULT_RATES.items()}}  # the legacy per-layer compress_ratios
 SCORING = ("sqrtsoftplus", "sigmoid")
 # V4Args fields a config may leave null: derived (schedules, rates, ropes) or truly optional (token ids)
 V4_OPTIONAL = {"layer_types", "compress_rates", "mlp_layer_types", "partial_rotary_factor", "rope_parameters",
@@ -340,7 +344,7 @@ class V4Args:
         kw = {k: v for k, v in d.items() if k in names and v is not None}
         a = cls(**{**kw, "model_type": V4})
         n = a.num_hidden_layers
-        rates = dict(a.compress_rates or {CSA: 4, HCA: 128})
+        rates = dict(a.compress_rates or DEFAULT_RATES)
         if d.get("compress_rate_csa") is not None:
             rates[CSA] = d["compress_rate_csa"]
         if d.get("compress_rate_hca") is not None:
@@ -353,12 +357,12 @@ class V4Args:
         a.layer_types = list(a.layer_types[:n])
         if a.mlp_layer_types is None:
             n_hash = d.get("num_hash_layers")
-            n_hash = 3 if n_hash is None else n_hash
+            n_hash = DEFAULT_HASH_LAYERS if n_hash is None else n_hash
             a.mlp_layer_types = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
         a.mlp_layer_types = list(a.mlp_layer_types[:n])
         if a.partial_rotary_factor is None:
             a.partial_rotary_factor = (d["qk_rope_head_dim"] / a.head_dim if d.get("qk_rope_head_dim") is not None
-                                       else 64 / 512)
+                                       else DEFAULT_PARTIAL_ROTARY)
         a.rope_parameters = _v4_ropes(d, a)
         a.validate()
         return a

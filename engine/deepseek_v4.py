@@ -394,25 +394,30 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * a.hidden_size, dtype=torch.float32))
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
-        self.weights_kernel = None  # kernels.hc.hc_weights on the graph path: the weights below in one launch
+        self.weights_kernel = None  # kernels.hc.hc_weights on the graph path: hyper_weights in one launch
 
     def forward(self, h: torch.Tensor):
         n, eps = self.n, self.hc_eps
         mix = F.linear(unit_rms(h.flatten(2).float(), self.eps), self.fn.float())
-        if self.weights_kernel is not None:
-            pre, post, comb = self.weights_kernel(mix, self.base.float(), self.scale.float(), n, self.iters, eps)
-            return post, comb, (pre[..., None] * h).sum(dim=2).to(h.dtype)
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        s = self.scale.float()
-        pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
-        post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-        comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        weights = self.weights_kernel or hyper_weights
+        pre, post, comb = weights(mix, self.base.float(), self.scale.float(), n, self.iters, eps)
         return post, comb, (pre[..., None] * h).sum(dim=2).to(h.dtype)
+
+
+def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
+    """(pre [..., n], post [..., n], comb [..., n, n]) from the mixing logits, fp32, as transformers computes them
+    (kernels.hc.hc_weights is this in one launch, and takes it as its reference)."""
+    mix, base, scale = mix.float(), base.float(), scale.float()
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
 
 
 def hc_merge(h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

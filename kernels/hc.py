@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.deepseek_v4 import hyper_weights as hc_reference  # the torch path, the kernel's reference
+
 from . import pdl
 from ._admit import device_reason
 
@@ -51,21 +53,6 @@ def _hc_kernel(mix, base, scale, pre, post, comb, N: tl.constexpr, NP: tl.conste
         m = m / (tl.sum(m, axis=1)[:, None] + EPS)
         m = m / (tl.sum(m, axis=0)[None, :] + EPS)
     tl.store(comb + row * N * N + r * N + c, m, mask=both)
-
-
-def hc_reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
-    """(pre [..., n], post [..., n], comb [..., n, n]), fp32, as transformers computes them."""
-    mix, base, scale = mix.float(), base.float(), scale.float()
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
 
 
 def _check(mix, base, scale, n: int, iters: int):
