@@ -66,6 +66,8 @@ V4_MUTANTS = {
     "v4_hc_mix_low_dtype": ("precision", "hyper-connection mixing logits in the model dtype, not float32",
                             "mix = F.linear(unit_rms(h.flatten(2).float(), self.eps), self.fn.float())",
                             "mix = F.linear(unit_rms(h.flatten(2), self.eps), self.fn.to(h.dtype)).float()"),
+    "v4_norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
+                             "        h = x.float()\n        return (self.weight", "        h = x\n        return (self.weight"),
 }
 LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
 PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
