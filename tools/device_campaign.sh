@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -4
 # greedy scheduler: the ILP one needs pulp, which is not carried (16 MB)
 timeout "$budget" python3 -m snakemake --cores all --scheduler greedy --keep-going --rerun-incomplete \
-  --configfile "$campaign" 2>&1 | grep -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
+  --configfile "$campaign" 2>&1 | grep --line-buffered -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
   | tee "$OUT/snakemake.log"
 rc=${PIPESTATUS[0]}
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
