@@ -15,7 +15,6 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from snakemake.exceptions import WorkflowError
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
@@ -26,6 +25,7 @@ from engine.config import V4Args, load_args  # noqa: E402
 from workflow import checkpoints, estimate, floor, hf  # noqa: E402
 from workflow.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
 from workflow.stages import kernel_audit, overlap  # noqa: E402
+from campaigns import overridden, rejected  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -184,20 +184,7 @@ def test_the_v4_parameter_count_of_the_flash_width_and_of_legacy_keys():
 # --- the campaign check ---------------------------------------------------------------------------
 
 def campaign(**over) -> dict:
-    cfg = copy.deepcopy(CAMPAIGN)
-    for key, value in over.items():
-        node = cfg
-        *path, last = key.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return cfg
-
-
-def rejected(cfg: dict) -> str:
-    with pytest.raises(WorkflowError) as e:
-        validate_campaign(cfg, SCHEMA)
-    return str(e.value)
+    return overridden(CAMPAIGN, **over)
 
 
 def test_the_shipped_v4_campaign_is_valid_and_runs_every_stage():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from snakemake.exceptions import WorkflowError
 
 import tinyev
+from campaigns import overridden, rejected
 from workflow import checkpoints
 from workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
 from workflow.cli import configfiles
@@ -24,20 +23,7 @@ SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 
 
 def tiny(**overrides) -> dict:
-    cfg = copy.deepcopy(TINY)
-    for key, value in overrides.items():
-        node = cfg
-        *path, last = key.split(".")
-        for p in path:
-            node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
-        node[last] = value
-    return cfg
-
-
-def rejected(cfg: dict) -> str:
-    with pytest.raises(WorkflowError) as e:
-        validate_campaign(cfg, SCHEMA)
-    return str(e.value)
+    return overridden(TINY, **overrides)
 
 
 def test_the_default_campaign_is_valid():
