@@ -109,7 +109,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
              eos_token_id: int | list[int] | None = None,
              progress: Callable[[int, int], None] | None = None,
              stop: Callable[[int, list[int]], bool] | None = None,
-             around: Callable[[int, int], contextlib.AbstractContextManager] | None = None) -> Generation:
+             around: Callable[[int, int], contextlib.AbstractContextManager] | None = None,
+             observe: Callable[[list[int], torch.Tensor], None] | None = None) -> Generation:
     """Greedy-decode up to ``max_new_tokens`` for each prompt (1..8 prompts, any lengths).
 
     A row stops after emitting an EOS id (kept in its output) or at max_new_tokens.
@@ -120,6 +121,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     ``around(step, total)`` returns a context manager entered around the work of each step (step 1: the prefill of
     every row; then one per batched decode step), numbered as ``progress`` numbers them: a profiler range or a timer
     wraps exactly one step.
+    ``observe(rows, logits)`` gets the logits [len(rows), vocab] that the next token of each of ``rows`` is picked
+    from, before the pick (a server's log-probs).
     """
     _check_batch(prompts)
     if max_new_tokens < 0:
@@ -135,6 +138,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     around = around or (lambda step, total: contextlib.nullcontext())
 
     def emit(rows: list[int], logits: torch.Tensor) -> None:
+        if observe is not None:
+            observe(rows, logits)
         ids, margins = _pick(logits, model.argmax_kernel)
         for r, t, m in zip(rows, ids, margins):
             out.tokens[r].append(t)
