@@ -289,6 +289,7 @@ def test_all_reasons_listed():
 EXPECTED_COLUMNS = [
     "backend", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
+    "first_warmup_over_repeat_s",
 ]
 
 

@@ -11,7 +11,7 @@ from workflow import runs
 def test_the_engine_transports_are_the_schemas_expert_parallel_backends():
     assert runs.EP_BACKENDS == parallel.BACKENDS
     assert runs.BACKENDS == ("single", *parallel.BACKENDS)
-    assert set(runs.BENCH_BACKENDS) == {*runs.BACKENDS, runs.HF}
+    assert set(runs.BENCH_BACKENDS) == {*runs.BACKENDS, *runs.HF_PATHS} and runs.HF in runs.HF_PATHS
 
 
 @pytest.mark.parametrize("backend", runs.BACKENDS)
@@ -27,5 +27,12 @@ def test_names():
     assert runs.run_name("single") == "single"
     assert runs.run_name("collective", "graph") == "collective-graph"
     # transformers runs its own path whatever decode path the engine is benchmarked on
-    assert runs.run_name(runs.HF, "graph") == "hf"
+    assert runs.run_name(runs.HF, "graph") == "hf" and runs.run_name("hf-static", "graph") == "hf-static"
     assert runs.kernels_of("") == "torch" and runs.kernels_of("-triton") == "triton"
+
+
+@pytest.mark.parametrize("backend", runs.BENCH_BACKENDS)
+def test_the_bench_wildcard_parses_every_cell_name_back(backend):
+    c = runs.wildcard_constraints(runs.BENCH_BACKENDS)  # bench/<backend>-b<B>.json: hf-static-b8 is hf-static's
+    m = re.compile(rf"(?P<backend>{c['backend']})-b(?P<batch>\d+)").fullmatch(f"{backend}-b8")
+    assert m and m["backend"] == backend

@@ -211,6 +211,12 @@ def test_expert_parallel_backends_and_the_triton_path_are_refused_naming_the_key
     assert "4 errors." in msg
 
 
+def test_transformers_static_cache_is_refused_for_v4_and_its_other_paths_are_not():
+    assert "at `bench.backends`: hf-static: transformers' static cache" in rejected(
+        campaign(**{"bench.backends": ["single", "hf-static"]}))
+    validate_campaign(campaign(**{"bench.backends": ["single", "hf", "hf-grouped"]}), SCHEMA)
+
+
 def test_the_graph_path_and_stages_not_run_are_not_refused():
     validate_campaign(campaign(**{"parity.kernels": ["torch", "graph"], "bench.kernels": "graph"}), SCHEMA)
     # a backend of a stage the campaign does not run is never run

@@ -35,6 +35,7 @@ MIN_REPEATS = 3
 FRAME_COLUMNS = [
     "backend", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
+    "first_warmup_over_repeat_s",
 ]
 
 MARKDOWN_HEADER = [
@@ -301,6 +302,8 @@ def summary_frame(cells: list[dict]):
             "decode_tok_s": s["decode_tok_s"],
             "spread": s["spread"],
             "noisy": bool(s["noisy"]),
+            # a compile's time, apart from the steady figures (cells of older evidence lack it)
+            "first_warmup_over_repeat_s": cell.get("first_warmup_over_repeat_s"),
         })
     frame = pd.DataFrame(rows, columns=FRAME_COLUMNS)
     return frame.sort_values(["backend", "batch"], kind="mergesort").reset_index(drop=True)

@@ -302,7 +302,8 @@ def model_type(config: dict, model: dict | None) -> str | None:
 def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]]:
     """What the engine cannot run on a DeepSeek-V4 model, for the stages that would run it: expert parallelism
     (engine.checkpoint.load_model runs V4 on one device) and the `triton` decode path (engine/decode_kernels.py
-    knows the MLA model's projections only). What the model itself cannot be (mlp_bias, ...) engine.config.V4Args
+    knows the MLA model's projections only); and what transformers cannot (bench `hf-static`: its static cache).
+    What the model itself cannot be (mlp_bias, ...) engine.config.V4Args
     refuses in resolve_model; the `graph` path is the engine's to accept or refuse."""
     stages, out = set(config["stages"]), []
     for section, stage in (("parity", "parity"), ("bench", "bench")):
@@ -314,6 +315,9 @@ def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]
     if "parity" in stages and "triton" in config["parity"]["kernels"]:
         out.append(("parity.kernels", "triton: the engine's Triton decode path (engine/decode_kernels.py) covers the "
                                       "DeepSeek-V2/V3 model, not DeepSeek-V4; use torch (and graph)"))
+    if "bench" in stages and "hf-static" in config["bench"]["backends"]:
+        out.append(("bench.backends", "hf-static: transformers' static cache does not take DeepSeek-V4's layer types "
+                                      "(transformers 5.24 fails on heavily_compressed_attention); use hf or hf-grouped"))
     if {"bench", "profile"} & stages and config["bench"]["kernels"] == "triton":
         out.append(("bench.kernels", "triton: the engine's Triton decode path (engine/decode_kernels.py) covers the "
                                      "DeepSeek-V2/V3 model, not DeepSeek-V4 (the benchmark and the profile time this "

@@ -15,15 +15,15 @@ from engine.config import load_args
 from workflow import checkpoints
 
 
-def load(ckpt_dir: Path, dtype: str, device: str):
-    """(tokenizer, model in eval mode on `device`)."""
+def load(ckpt_dir: Path, dtype: str, device: str, **options):
+    """(tokenizer, model in eval mode on `device`); options go to from_pretrained (`experts_implementation`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt_dir)
     # device_map loads straight onto the GPU (no 31 GB host copy first); accelerate does that part
     placement = {"device_map": device} if device != "cpu" else {}
     model, info = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=checkpoints.DTYPES[dtype],
-                                                       output_loading_info=True, **placement)
+                                                       output_loading_info=True, **placement, **options)
     # multi-token-prediction layers are no part of the causal LM (transformers ignores DeepSeek-V3's at a 61-layer
     # model's index only, DeepSeek-V4's mtp.* module always): unexpected there, and not run by either side
     args = load_args(ckpt_dir)

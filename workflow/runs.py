@@ -29,8 +29,13 @@ STAGES = tuple(_PROPERTIES["stages"]["items"]["enum"])  # those a campaign choos
 BACKENDS = _enum("parity", "backends")  # the engine's: one process, or expert-parallel ranks
 EP_BACKENDS = tuple(b for b in BACKENDS if b != "single")  # torchrun ranks, one device each
 HF = "hf"  # bench only: transformers' own generate, the reference the engine's timings stand beside
+# bench only, each its own cell: transformers' paths, as (from_pretrained keywords, generate keywords). Eager experts
+# (named: transformers 5.24 defaults to grouped_mm where it can dispatch it); grouped_mm; grouped_mm with a static
+# cache, which transformers compiles on a GPU
+HF_PATHS = {HF: ({"experts_implementation": "eager"}, {}), "hf-grouped": ({"experts_implementation": "grouped_mm"}, {}),
+            "hf-static": ({"experts_implementation": "grouped_mm"}, {"cache_implementation": "static"})}
 BENCH_BACKENDS = _enum("bench", "backends")
-ONE_PROCESS = ("single", HF)
+ONE_PROCESS = ("single", *HF_PATHS)
 KERNELS = _enum("parity", "kernels")  # the engine's decode path: torch ops, the Triton kernels, the CUDA-graph step
 
 
@@ -44,8 +49,8 @@ def kernels_of(suffix_: str) -> str:
 
 
 def run_name(backend: str, kernels: str = "torch") -> str:
-    """How evidence names one run. `hf` runs transformers' own path whatever the engine's is: no suffix."""
-    return backend if backend == HF else backend + suffix(kernels)
+    """How evidence names one run. transformers' paths (HF_PATHS) are its own whatever the engine's is: no suffix."""
+    return backend if backend in HF_PATHS else backend + suffix(kernels)
 
 
 def label(backend: str, kernels: str, batch: int) -> str:

@@ -21,7 +21,7 @@ from engine.checkpoint import eos_ids, load_model
 from engine.parallel import init_from_env
 from workflow import checkpoints, environment, hf
 from workflow.evidence import Stage, read_config, read_json, stage_args
-from workflow.runs import BACKENDS, HF, KERNELS, run_name
+from workflow.runs import BACKENDS, HF_PATHS, KERNELS, run_name
 
 
 def is_primary() -> bool:
@@ -100,11 +100,12 @@ def load_engine(ckpt_dir: Path, device: str, dtype: str, ep, kernels: str):
 @contextlib.contextmanager
 def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "torch"):
     """Verify the checkpoint against checkpoint.json, join the EP group, load the engine (with the
-    Triton decode path when kernels is `triton`, the CUDA-graph step when `graph`); backend `hf` loads
-    transformers' model instead, as the oracle does (the benchmark's reference in the same run)."""
-    if backend not in (*BACKENDS, HF) or kernels not in KERNELS:
-        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of {BACKENDS}, {HF} "
-                         f"and {KERNELS}")
+    Triton decode path when kernels is `triton`, the CUDA-graph step when `graph`); a backend of HF_PATHS loads
+    transformers' model instead, as the oracle does but with that path's experts (the benchmark's reference in the
+    same run)."""
+    if backend not in (*BACKENDS, *HF_PATHS) or kernels not in KERNELS:
+        raise ValueError(f"unknown backend {backend!r} or kernels {kernels!r}; expected one of "
+                         f"{(*BACKENDS, *HF_PATHS)} and {KERNELS}")
     config = read_config(evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     checkpoints.verify(ckpt_dir, read_json(evidence / "checkpoint.json"))
@@ -113,9 +114,9 @@ def open_session(ckpt_dir: Path, evidence: Path, backend: str, kernels: str = "t
     # The tokenizer library itself (not transformers): the engine path imports no transformers code, and the
     # hf backend gets the engine's prompt ids exactly.
     tok = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
-    if backend == HF:
-        _, model = hf.load(ckpt_dir, config["dtype"], device)
-        yield Session(config, HF, device, model, tok, eos_ids(ckpt_dir), None, "torch")
+    if backend in HF_PATHS:
+        _, model = hf.load(ckpt_dir, config["dtype"], device, **HF_PATHS[backend][0])
+        yield Session(config, backend, device, model, tok, eos_ids(ckpt_dir), None, "torch")
         return
     ep = None
     if backend != "single":

@@ -4,13 +4,18 @@ For each B: warm-up runs, then `bench.repeats` measured runs of one fixed prompt
 and exactly `bench.new_tokens` new tokens (EOS ignored). Marks after the prefill and after every
 batched decode step give TTFT, the first decode step and the steady TPOT samples. On a GPU the
 marks are CUDA events. Rows must agree before any figure is written; bad samples fail closed.
-Backend `hf` times transformers' own eager generate on the same checkpoint, prompt and contract: the
-reference the engine's figures stand beside, measured in the same run.
+Backends `hf`, `hf-grouped` and `hf-static` time transformers' own generate on the same checkpoint, prompt and
+contract, each a path of its (workflow.runs.HF_PATHS: eager; experts as grouped_mm; grouped_mm with a static
+cache, which transformers compiles on a GPU): the references the engine's figures stand beside, measured in the
+same run. Every cell records the wall time of each warm-up and measured run, so a compile (in the first
+warm-up) is recorded apart from the steady TPOT: `first_warmup_over_repeat_s`.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import statistics
 import sys
 import time
 
@@ -21,7 +26,7 @@ from engine.generate import Generation, generate
 from workflow.benchstats import BenchError, summarize_cell
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, sha256_bytes
-from workflow.runs import BENCH_BACKENDS, HF
+from workflow.runs import BENCH_BACKENDS, HF_PATHS
 from workflow.session import Session, engine_args, engine_stage
 
 
@@ -62,22 +67,28 @@ class _TokenMarks:
         pass
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=None, progress=None) -> Generation:
-    """transformers' own greedy generate (eager), exactly new_tokens per row, marked after every token."""
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=None, progress=None,
+                **options) -> Generation:
+    """transformers' own greedy generate, exactly new_tokens per row, marked after every token; options go to
+    generate (`cache_implementation`)."""
     ids = torch.tensor(prompts, device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, streamer=_TokenMarks(progress), pad_token_id=0)
+                         do_sample=False, streamer=_TokenMarks(progress), pad_token_id=0, **options)
     return Generation(tokens=out[:, ids.shape[1]:].tolist(), margins=[])
 
 
 def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
     marks = Marks(s.device)
-    decode = hf_generate if s.backend == HF else generate
+    decode = functools.partial(hf_generate, **HF_PATHS[s.backend][1]) if s.backend in HF_PATHS else generate
     gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
     try:
         with torch.inference_mode():
+            start = time.perf_counter()
             marks.mark()
             gen = decode(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+            if marks.cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
     finally:
         gc.enable()
     if any(row != gen.tokens[0] for row in gen.tokens) or any(len(row) != new_tokens for row in gen.tokens):
@@ -85,14 +96,13 @@ def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> d
     iv = marks.intervals_ms()
     if len(iv) != new_tokens:
         raise BenchError(f"batch {batch}: {len(iv)} timed intervals, expected {new_tokens}")
-    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:]}
+    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:], "wall_s": wall}
 
 
 def bench_batch(s: Session, batch: int) -> dict:
     b = s.config["bench"]
     prompt_ids = s.tokenizer.encode(b["prompt"]).ids
-    for _ in range(b["warmup"]):
-        measure(s, prompt_ids, batch, b["new_tokens"])
+    warmups = [measure(s, prompt_ids, batch, b["new_tokens"])["wall_s"] for _ in range(b["warmup"])]
     repeats = []
     for r in range(b["repeats"]):
         repeats.append(measure(s, prompt_ids, batch, b["new_tokens"]))
@@ -111,6 +121,10 @@ def bench_batch(s: Session, batch: int) -> dict:
         },
         "repeats": repeats,
         "stats": summarize_cell(repeats, batch, b["new_tokens"]),
+        # a compile (transformers' static cache on a GPU, the engine's graph capture) lands in the first warm-up
+        "warmup_wall_s": warmups,
+        "first_warmup_over_repeat_s": (warmups[0] - statistics.median(r["wall_s"] for r in repeats)
+                                       if warmups else None),
     }
 
 
