@@ -86,9 +86,11 @@ def marginal_us(fn_of_w, w: torch.Tensor) -> float:
     return (48 * streamed_us(fn_of_w, w, calls=48) - 16 * streamed_us(fn_of_w, w, calls=16)) / 32
 
 
-def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int = 64) -> float:
-    """Median device duration of the kernels called `name` (CUPTI, via torch.profiler), launched eagerly one by
-    one, each call on the next copy of the weights: the kernel's own time, as Nsight reports it."""
+def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int = 64) -> tuple[float, float]:
+    """(device µs a call, kernels a call) of the kernels whose name holds `name` (CUPTI, via torch.profiler),
+    launched eagerly one by one, each call on the next copy of the weights (together over 2x the L2, so each
+    reads HBM): the kernels' own time, as Nsight reports it. Summed over a call's kernels, not a median over
+    kernels: cuBLAS may split one product into a GEMV and a small reduction, and a median over both is neither."""
     from torch.profiler import ProfilerActivity, profile
 
     ws = [w.clone() for _ in range(copies)]
@@ -99,7 +101,7 @@ def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int =
             fn_of_w(ws[i % copies])
         torch.cuda.synchronize()
     times = [e.device_time for e in prof.events() if e.device_type.name == "CUDA" and name in e.name]
-    return float(torch.tensor(times).median()) if times else float("nan")
+    return (sum(times) / calls, len(times) / calls) if times else (float("nan"), 0.0)
 
 
 def skinny_main(variants: bool) -> None:
@@ -185,10 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(("gemv_fused at 4x N (x4 floor)", streamed_us(lambda wi: gemv.gemv_fused(
         x, wi, [4 * n for n in SIZES], OUT_DTYPES), w4, copies=4), nan, nan, nan, nan, "-"))
     fused = lambda wi: gemv.gemv_fused(x, wi, SIZES, OUT_DTYPES)  # noqa: E731
-    linear = kernel_us(lambda wi: F.linear(x, wi), w, "")  # the only kernel F.linear launches here
+    linear, n_linear = kernel_us(lambda wi: F.linear(x, wi), w, "")  # every kernel F.linear launches here
     with pdl.disabled():  # a kernel's duration alone: with PDL a call starts early and waits inside
-        alone = kernel_us(fused, w, "_rows_kernel")
-    print(f"\nkernel time (CUPTI, eager, weights cold in HBM): gemv_fused {alone:.2f} us, F.linear joined {linear:.2f} us")
+        alone, _ = kernel_us(fused, w, "_rows_kernel")
+    print(f"\nkernel time a call (CUPTI, eager, each call on its own weight copy): gemv_fused {alone:.2f} us, "
+          f"F.linear joined {linear:.2f} us ({n_linear:g} kernels a call)")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
     print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")
     for name, streamed, marginal, cold, warm, ratio, ok in rows:
