@@ -8,8 +8,10 @@ list of strings, a list of token ids or a list of such lists (one choice per pro
 special tokens, ids are taken as they are). ``logprobs`` k (at most ``MAX_LOGPROBS``) returns, per token, its
 log-prob and the top k (plus the token itself, as OpenAI), from the float32 log-softmax of the very logits its
 token was picked from; ``echo`` puts the prompt before the completion and, with ``logprobs``, the prompt's
-teacher-forced log-probs (``generate.forced``; the first token's is null); ``return_tokens_as_token_ids`` (vLLM's)
-names tokens ``token_id:<id>``. ``usage`` counts tokens, in a stream too with ``stream_options.include_usage``.
+teacher-forced log-probs (``generate.forced``; the first token's is null); a token is named by its text, one
+within a multi-byte character by its bytes (OpenAI's ``bytes:\\xNN``), or with ``return_tokens_as_token_ids``
+(vLLM's) ``token_id:<id>``. ``max_tokens`` null is OpenAI's default, 16. ``usage`` counts tokens, in a stream too
+with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is a 400).
 
 Static batching: one worker thread owns the model. A request's prompts are rows; the worker takes what has arrived
 within ``--batch-window-ms`` of the first row (or what queued while the last batch decoded), up to ``--max-batch``
@@ -17,39 +19,45 @@ rows whose prompt lengths plus the batch's largest ``max_tokens`` fit the contex
 ``generate`` call. Ragged prompts need no padding: each row is prefilled alone into its own cache row and decodes at
 its own position (the cache keeps a length per row), so a row gets the tokens it gets alone. Every unfinished row
 advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string and is answered then. A row
-arriving meanwhile waits for the next batch, which starts when the longest row ends. Not continuous batching, on
-purpose: ``generate`` is the decode loop that parity and the bench measure (the graph path's too), with a cache
-sized to its batch; rows joining mid-batch would need a second loop and a full-context cache row for every slot.
+arriving meanwhile waits for the next batch, which starts when the longest row ends; a row whose client has gone
+ends at its next token. Not continuous batching, on purpose: ``generate`` is the decode loop that parity and the
+bench measure (the graph path's too), with a cache sized to its batch; rows joining mid-batch would need a second
+loop and a full-context cache row for every slot.
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
 stops as soon as one appears (log-probs still cover every generated token, as vLLM's). ``stream: true`` sends
 server-sent events (``data: {...}``, then ``data: [DONE]``), holding back any text that could still turn into a
-stop string. Bad requests get a 4xx with an OpenAI-style JSON error naming the field. Binds 127.0.0.1 unless
-``--host`` says otherwise.
+stop string. Bad requests get a 4xx with an OpenAI-style JSON error naming the field; a batch that fails, a 500
+for each of its requests; a worker that dies, a 500 for every waiting request and a 503 for every later one.
+Handlers are async: a waiting request holds no thread. Binds 127.0.0.1 unless ``--host`` says otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from .generate import MAX_BATCH, forced, generate
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
+WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
 
 
 class BadRequest(Exception):
@@ -62,7 +70,7 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int = Field(16, ge=0)
+    max_tokens: StrictInt | None = Field(16, ge=0)  # null: OpenAI's default, 16 (not the context: a cache that long)
     temperature: float = 0.0
     top_p: float = 1.0
     n: int = 1
@@ -71,19 +79,24 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     user: str | None = None
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     stream_options: dict | None = None
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error_doc(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error document: a response's body, or a stream's last event."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
-def stop_index(text: str, stops: list[str]) -> int | None:
-    """Index of the earliest stop string in text, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_doc(status, message, param), status_code=status)
+
+
+def stop_index(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Index of the earliest stop string in text (beginning at start or later), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
@@ -104,11 +117,31 @@ def _entry(logprobs: torch.Tensor, token: int, k: int) -> tuple[int, float, list
     return token, logprobs[token].item(), list(zip(top.indices.tolist(), top.values.tolist()))
 
 
+def _offsets(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """Where each of ids starts in their decoded text, in one pass (a token within a character: where it starts)."""
+    stream, n, out = DecodeStream(skip_special_tokens=True), 0, []
+    for t in ids:
+        out.append(n)
+        n += len(stream.step(tok, t) or "")
+    return out
+
+
+def _byte_level() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (the ByteLevel pre-tokenizer's), character -> byte."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    extra = iter(range(256, 512))
+    return {chr(b if b in keep else next(extra)): b for b in range(256)}
+
+
+BYTE_LEVEL = _byte_level()
+
+
 @dataclass(eq=False)
 class Job:
-    """One prompt of a request, a row of a batch. The worker puts (index, kind, value) on ``out``: ("text", delta)
-    while it decodes (``stream`` only: text no stop string can start in any more), then ("done", None) as soon as
-    the row ends, or ("error", message)."""
+    """One prompt of a request, a row of a batch. The worker calls ``post((index, kind, value))`` (thread-safe, never
+    blocking): ("text", delta) while it decodes (``stream`` only: text no stop string can start in any more), then
+    ("done", None) as soon as the row ends, or ("error", message). A cancelled row (its client went away) ends at
+    its next token, unanswered."""
     index: int
     ids: list[int]
     max_tokens: int
@@ -116,7 +149,7 @@ class Job:
     logprobs: int | None  # top k per token; None: no log-probs
     echo: bool
     stream: bool
-    out: queue.Queue
+    post: Callable[[tuple], None]
     text: str = ""
     sent: int = 0
     stopped: bool = False
@@ -124,6 +157,9 @@ class Job:
     entries: list = field(default_factory=list)  # _entry per token (echo: the prompt's first, its first one null)
     last: torch.Tensor | None = None  # the log-softmax the row's next token is picked from
     finish: str | None = None  # set when the row is done
+    offsets: list[int] = field(default_factory=list)  # where each generated token starts in text
+    decoder: DecodeStream = field(default_factory=lambda: DecodeStream(skip_special_tokens=True))
+    cancelled: bool = False
 
 
 class Engine:
@@ -134,6 +170,7 @@ class Engine:
         self.model, self.tok, self.eos, self.model_id = model, tokenizer, eos, model_id
         self.max_batch, self.window_s = max_batch, window_s
         self.queue: queue.Queue = queue.Queue()
+        self.dead: str | None = None  # why the worker stopped, once it has
         threading.Thread(target=self._work, daemon=True, name="batcher").start()
 
     def prompts(self, prompt, max_tokens: int) -> list[tuple[list[int], str]]:
@@ -157,38 +194,58 @@ class Engine:
         return out
 
     def submit(self, jobs: list[Job]) -> None:
-        for j in jobs:
+        if self.dead is not None:
+            raise BadRequest(f"the engine's worker has stopped ({self.dead}); restart the server", None, 503)
+        for j in jobs:  # the worker answers any that slip in while it dies (it drains the queue then)
             self.queue.put(j)
 
     # --- the worker ---------------------------------------------------------------------------------------
     def _work(self) -> None:
         waiting: list[Job] = []
-        while True:
-            if not waiting:  # idle: the first row opens a window for the rows that come with it
-                waiting.append(self.queue.get())
-                deadline = time.monotonic() + self.window_s
-                while len(waiting) < self.max_batch and (left := deadline - time.monotonic()) > 0:
-                    try:
-                        waiting.append(self.queue.get(timeout=left))
-                    except queue.Empty:
-                        break
-            while len(waiting) < self.max_batch:  # and what queued while the last batch decoded
+        try:
+            while True:
+                waiting = self._batch(waiting)
+        except Exception as e:  # noqa: BLE001 - a bug of the worker itself: no batch can run any more; say so, not hang
+            self.dead = f"{type(e).__name__}: {e}"
+            for j in waiting:
+                self._fail(j, f"the engine's worker stopped: {self.dead}")
+            while True:
+                self._fail(self.queue.get(), f"the engine's worker stopped: {self.dead}")
+
+    def _batch(self, waiting: list[Job]) -> list[Job]:
+        """Gather rows, run one batch; -> the rows left for the next. ``waiting`` keeps every row not yet answered,
+        so that a worker dying here answers them all."""
+        if not waiting:  # idle: the first row opens a window for the rows that come with it
+            waiting.append(self.queue.get())
+            deadline = time.monotonic() + self.window_s
+            while len(waiting) < self.max_batch and (left := deadline - time.monotonic()) > 0:
                 try:
-                    waiting.append(self.queue.get_nowait())
+                    waiting.append(self.queue.get(timeout=left))
                 except queue.Empty:
                     break
-            batch: list[Job] = []
-            for j in waiting:  # in arrival order, while the rows fit one cache
-                if len(batch) < self.max_batch and self._fits(batch + [j]):
-                    batch.append(j)
-            waiting = [j for j in waiting if j not in batch]
-            self._run(batch)
+        while len(waiting) < self.max_batch:  # and what queued while the last batch decoded
+            try:
+                waiting.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        waiting[:] = [j for j in waiting if not j.cancelled]
+        batch: list[Job] = []
+        for j in waiting:  # in arrival order, while the rows fit one cache
+            if len(batch) < self.max_batch and self._fits(batch + [j]):
+                batch.append(j)
+        self._run(batch)
+        return [j for j in waiting if j not in batch]
 
     def _fits(self, jobs: list[Job]) -> bool:
         """generate decodes every row up to the batch's largest max_tokens: each prompt must leave room for it."""
         rows = [j for j in jobs if j.max_tokens]
         return not rows or max(len(j.ids) for j in rows) + max(j.max_tokens for j in rows) <= \
             self.model.args.max_position_embeddings
+
+    @staticmethod
+    def _fail(job: Job, message: str) -> None:
+        job.finish = job.finish or "error"
+        job.post((job.index, "error", message))
 
     def _run(self, batch: list[Job]) -> None:
         try:
@@ -204,15 +261,17 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - reported to every request of the batch still waiting
             for j in batch:
                 if j.finish is None:
-                    j.out.put((j.index, "error", f"{type(e).__name__}: {e}"))
+                    self._fail(j, f"{type(e).__name__}: {e}")
 
     def _done(self, job: Job, toks: list[int]) -> None:
         """A row's answer, sent as soon as the row ends, while the rest of its batch decodes on."""
         job.tokens = list(toks)
         job.finish = "stop" if job.stopped or (toks and toks[-1] in self.eos) else "length"
+        if not job.stopped:  # the whole text, with any incomplete character the stream still holds
+            job.text = self.tok.decode([t for t in toks if t not in self.eos], skip_special_tokens=True)
         if job.stream and len(job.text) > job.sent:
-            job.out.put((job.index, "text", job.text[job.sent:]))
-        job.out.put((job.index, "done", None))
+            job.post((job.index, "text", job.text[job.sent:]))
+        job.post((job.index, "done", None))
 
     def _prompt_entries(self, job: Job) -> list:
         """The prompt's teacher-forced log-probs: position p - 1 predicts token p; the first token has none."""
@@ -229,40 +288,57 @@ class Engine:
                 j.last = row
 
     def _emitted(self, job: Job, toks: list[int]) -> bool:
-        """After each token of a row: log-prob recorded, text cut at a stop string, final text streamed.
-        True when the row is done: a stop string, its own max_tokens or EOS (where generate stops it too)."""
+        """After each token of a row: log-prob recorded, text extended (one token's worth: no re-decode of the row)
+        and cut at a stop string, final text streamed. True when the row is done: cancelled, a stop string, its own
+        max_tokens or EOS (where generate stops it too)."""
+        if job.cancelled:  # no one waits for this row: end it, unanswered
+            return True
         if job.logprobs is not None:
             job.entries.append(_entry(job.last, toks[-1], job.logprobs))
-        text = self.tok.decode([t for t in toks if t not in self.eos], skip_special_tokens=True)
-        cut = stop_index(text, job.stops) if job.stops else None
-        if cut is not None:
-            text, job.stopped = text[:cut], True
-        job.text = text
+        job.offsets.append(len(job.text))
+        if toks[-1] not in self.eos and (delta := job.decoder.step(self.tok, toks[-1])):  # None: within a character
+            start = max(0, len(job.text) - max((len(s) for s in job.stops), default=0) + 1)  # a stop may span the seam
+            job.text += delta
+            if (cut := stop_index(job.text, job.stops, start)) is not None:
+                job.text, job.stopped = job.text[:cut], True
         if job.stream:
-            final = len(text) if job.stopped else len(text) - held_back(text, job.stops)
-            if text.endswith("\ufffd") and not job.stopped:  # an incomplete UTF-8 sequence
-                final = min(final, len(text) - 1)
+            final = len(job.text) if job.stopped else len(job.text) - held_back(job.text, job.stops)
             if final > job.sent:
-                job.out.put((job.index, "text", text[job.sent:final]))
+                job.post((job.index, "text", job.text[job.sent:final]))
                 job.sent = final
         if done := job.stopped or len(toks) >= job.max_tokens or toks[-1] in self.eos:
             self._done(job, toks)
         return done
 
+    def name(self, t: int, as_ids: bool = False) -> str:
+        """A token as the response names it: its text, or (a token within a multi-byte character, whose text alone
+        is U+FFFD whichever bytes it holds) OpenAI's ``bytes:\\xNN..``, so that no two tokens share a name."""
+        if as_ids:
+            return f"token_id:{t}"
+        text = self.tok.decode([t], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text
+        piece = self.tok.id_to_token(t) or ""
+        if not piece or any(c not in BYTE_LEVEL for c in piece):
+            return piece or text  # not a byte-level token: the vocabulary's own name for it
+        raw = bytes(BYTE_LEVEL[c] for c in piece)
+        try:
+            return raw.decode("utf-8")  # a real U+FFFD
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def logprobs(self, job: Job, prompt_text: str | None, as_ids: bool) -> dict:
         """OpenAI's completions ``logprobs`` of a done job (with echo, prompt_text: the prompt's tokens first).
-        text_offset: where each token starts in the choice's text, the length of what the tokens before it decode to
-        (one token alone may be part of a character)."""
-        def name(t: int) -> str:
-            return f"token_id:{t}" if as_ids else self.tok.decode([t], skip_special_tokens=False)
-
-        def starts(ids: list[int], base: int = 0) -> list[int]:
-            return [base + len(self.tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
-
-        offsets = starts(job.tokens) if prompt_text is None else starts(job.ids) + starts(job.tokens, len(prompt_text))
-        return {"tokens": [name(t) for t, _, _ in job.entries],
+        text_offset: where each token starts in the choice's text (never past its end: a stop string may cut
+        within the last token)."""
+        offsets = [min(o, len(job.text)) for o in job.offsets]
+        if prompt_text is not None:
+            offsets = [min(o, len(prompt_text)) for o in _offsets(self.tok, job.ids)] + \
+                [len(prompt_text) + o for o in offsets]
+        return {"tokens": [self.name(t, as_ids) for t, _, _ in job.entries],
                 "token_logprobs": [lp for _, lp, _ in job.entries],
-                "top_logprobs": [None if top is None else {**{name(i): v for i, v in top}, name(t): lp}
+                "top_logprobs": [None if top is None else {**{self.name(i, as_ids): v for i, v in top},
+                                                           self.name(t, as_ids): lp}
                                  for t, lp, top in job.entries],
                 "text_offset": offsets}
 
@@ -285,12 +361,13 @@ def create_app(engine: Engine) -> FastAPI:
     async def _http(_req: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail))
 
+    # async handlers: a request waiting for the worker holds no thread, so any number may wait and /v1/models answers
     @app.get("/v1/models")
-    def models():
+    async def models():
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": 0, "owned_by": "evident"}]}
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         if req.temperature != 0:
             raise BadRequest(f"temperature must be 0: this endpoint decodes greedily (got {req.temperature})", "temperature")
         if req.top_p != 1:
@@ -303,15 +380,26 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequest("echo is not served with stream", "echo")
         if req.stream and req.logprobs is not None:
             raise BadRequest("logprobs are not served with stream", "logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise BadRequest("stream_options is only allowed with stream", "stream_options")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise BadRequest("stop: at most 4 non-empty strings", "stop")
-        prompts = engine.prompts(req.prompt, req.max_tokens)  # checked before a stream's 200 is sent
-        out: queue.Queue = queue.Queue()
-        jobs = [Job(i, ids, req.max_tokens, stops, req.logprobs, req.echo, req.stream, out)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        prompts = engine.prompts(req.prompt, max_tokens)  # checked before a stream's 200 is sent
+        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+
+        def post(event: tuple) -> None:  # the worker thread's way into this request's loop
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        jobs = [Job(i, ids, max_tokens, stops, req.logprobs, req.echo, req.stream, post)
                 for i, (ids, _) in enumerate(prompts)]
         engine.submit(jobs)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def cancel() -> None:  # the rows still decoding end at their next token: no one is left to answer
+            for j in jobs:
+                j.cancelled = True
 
         def body(choices: list[dict], usage: bool = False) -> dict:
             doc = {"id": cid, "object": "text_completion", "created": created, "model": engine.model_id,
@@ -324,28 +412,45 @@ def create_app(engine: Engine) -> FastAPI:
         def choice(i: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-        def results():  # the worker's events until every prompt is done
+        async def results():
+            """The worker's events until every prompt is done, or the client has gone: asked, as neither a plain
+            request nor a stream sending nothing would notice (a stream only at its next send)."""
             pending = len(jobs)
             while pending:
-                i, kind, value = out.get()
+                try:
+                    i, kind, value = await asyncio.wait_for(inbox.get(), WATCH_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
                 pending -= kind == "done"
                 yield i, kind, value
 
         if not req.stream:
-            for _i, kind, value in results():
-                if kind == "error":
-                    return _error(500, value)
+            try:
+                async for _i, kind, value in results():
+                    if kind == "error":
+                        return _error(500, value)
+            finally:
+                cancel()
+            if any(j.finish is None for j in jobs):  # the client went away: no one reads this
+                return Response(status_code=499)
             return body([choice(j.index, (text if req.echo else "") + j.text, j.finish, None if req.logprobs is None
                                 else engine.logprobs(j, text if req.echo else None, req.return_tokens_as_token_ids))
                          for j, (_, text) in zip(jobs, prompts)], usage=True)
 
-        def events():
-            for i, kind, value in results():
-                if kind == "error":
-                    yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
-                    return
-                finish = jobs[i].finish if kind == "done" else None
-                yield f"data: {json.dumps(body([choice(i, value or '', finish)]))}\n\n"
+        async def events():
+            try:
+                async for i, kind, value in results():
+                    if kind == "error":
+                        yield f"data: {json.dumps(_error_doc(500, value))}\n\n"
+                        return
+                    finish = jobs[i].finish if kind == "done" else None
+                    yield f"data: {json.dumps(body([choice(i, value or '', finish)]))}\n\n"
+            finally:
+                cancel()
+            if any(j.finish is None for j in jobs):  # the client went away
+                return
             if (req.stream_options or {}).get("include_usage"):
                 yield f"data: {json.dumps(body([], usage=True))}\n\n"
             yield "data: [DONE]\n\n"
