@@ -53,10 +53,15 @@ def _check_batch(prompts) -> None:
             raise ValueError(f"prompt {i} is empty")
 
 
+def fits(model: Transformer, prompts, new_tokens: int) -> bool:
+    """The length rule: every prompt plus new_tokens within the context (the cache is sized to the longest)."""
+    return all(len(p) + new_tokens <= model.args.max_position_embeddings for p in prompts)
+
+
 def _check_length(model: Transformer, prompts, new_tokens: int) -> None:
     limit = model.args.max_position_embeddings
     for i, p in enumerate(prompts):
-        if len(p) + new_tokens > limit:
+        if not fits(model, [p], new_tokens):
             raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {new_tokens} new tokens exceed "
                              f"max_position_embeddings={limit}")
 

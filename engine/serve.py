@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from .generate import MAX_BATCH, forced, generate
+from .generate import MAX_BATCH, fits, forced, generate
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
@@ -187,7 +187,7 @@ class Engine:
                 raise BadRequest(f"prompt {i} has no tokens", "prompt")
             if bad := [t for t in ids if not 0 <= t < vocab]:
                 raise BadRequest(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-            if len(ids) + max_tokens > limit:
+            if not fits(self.model, [ids], max_tokens):
                 raise BadRequest(f"prompt {i}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
                                  f"context of {limit} tokens", "max_tokens")
             out.append((ids, p if isinstance(p, str) else self.tok.decode(ids, skip_special_tokens=True)))
@@ -239,8 +239,7 @@ class Engine:
     def _fits(self, jobs: list[Job]) -> bool:
         """generate decodes every row up to the batch's largest max_tokens: each prompt must leave room for it."""
         rows = [j for j in jobs if j.max_tokens]
-        return not rows or max(len(j.ids) for j in rows) + max(j.max_tokens for j in rows) <= \
-            self.model.args.max_position_embeddings
+        return not rows or fits(self.model, [j.ids for j in rows], max(j.max_tokens for j in rows))
 
     @staticmethod
     def _fail(job: Job, message: str) -> None:

@@ -286,9 +286,11 @@ def test_stop_helpers():
     assert held_back("abc", ["Question:"]) == 0
 
 
-def test_max_tokens_null_is_openais_default_of_16(client):
-    null = complete(client, PROMPT, max_tokens=None, logprobs=0, extra_body=AS_IDS).choices[0]
-    assert token_ids(null) == token_ids(complete(client, PROMPT, max_tokens=16, logprobs=0, extra_body=AS_IDS).choices[0])
+def test_max_tokens_null_is_openais_default_of_16(server):
+    status, null = post(server[0], {"prompt": PROMPT, "max_tokens": None, "logprobs": 0, **AS_IDS})
+    assert status == 200
+    sixteen = post(server[0], {"prompt": PROMPT, "max_tokens": 16, "logprobs": 0, **AS_IDS})[1]
+    assert null["choices"][0]["logprobs"]["tokens"] == sixteen["choices"][0]["logprobs"]["tokens"]
 
 
 def test_text_offsets_stay_within_a_text_a_stop_string_cut(client):
@@ -505,7 +507,8 @@ def test_rows_that_do_not_fit_one_cache_run_as_two_batches(engine, monkeypatch):
     assert len(long) + 60 > limit >= len(short) + 60  # together they would overflow the cache
     eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)
     out = queue.Queue()
-    jobs = [serve.Job(0, long, 4, [], None, False, False, out.put), serve.Job(1, short, 60, [], None, False, False, out.put)]
+    jobs = [serve.Job(0, long, 4, [], None, False, False, out.put),
+            serve.Job(1, short, 60, [], None, False, False, out.put)]
     eng.submit(jobs)
     assert [out.get(timeout=120)[:2] for _ in jobs] == [(0, "done"), (1, "done")]
     assert [g.tokens for g in settled(gens, 2)] == [[jobs[0].tokens], [jobs[1].tokens]]
