@@ -22,8 +22,11 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/evident run --cores $(CORES) $(ARGS)
 
+# Two pytest-xdist workers (TEST_WORKERS=0: one process). Each module is one unit of work, end-to-end runs first
+# (tests/conftest.py); xdist's own reordering by test count is off, so that order holds.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # MLflow's UI on this directory's store (mlflow.db), on 127.0.0.1; `evident ui` installs it on first use.
 ui: $(VENV)/.installed

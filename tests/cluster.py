@@ -10,7 +10,9 @@ with the reason, and the test skips saying it.
 
 from __future__ import annotations
 
+import fcntl
 import glob
+import json
 import os
 import shutil
 import signal
@@ -22,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "postgresql"]
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
@@ -30,22 +34,51 @@ PARTITION = "main"
 
 
 _LOCAL_RUN: dict = {}
+# The tests that read or change the default run's working directory (test_pipeline, test_archive, test_cluster): one
+# pytest-xdist group, so one worker runs them one after another, as a serial session does.
+shares_default_run = pytest.mark.xdist_group("default-run")
+
+
+def session_dir(tmp_path_factory) -> Path:
+    """The test session's temporary directory: under pytest-xdist each worker has its own basetemp in it."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def default_local_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
     """The default campaign (config/config.yaml) run locally as a user runs it (`snakemake -c2`, tracking in the
     working directory's mlflow.db), once per test session: (working directory, the run, its seconds). Tests that
-    compare against a local run share it rather than pay for another (a full run is minutes on two cores)."""
+    compare against a local run share it rather than pay for another (a full run is minutes on two cores).
+
+    Once per session across pytest-xdist workers too: the first to ask runs it under a file lock in the session's
+    directory and records it there; a worker that asks meanwhile waits for that run. Its working directory is
+    changed only by tests in shares_default_run; other workers use the trained checkpoint's copy alone."""
     if not _LOCAL_RUN:
-        wd = tmp_path_factory.mktemp("default")
-        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI" and not k.startswith("SLURM_")}
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(wd), "-c2"],
-                           capture_output=True, text=True, env=env, timeout=900)
-        _LOCAL_RUN["run"] = (wd, r, time.perf_counter() - t0)
-        # a copy of its trained checkpoint, before any test removes that working directory's .evident
-        for src in (wd / ".evident/checkpoints").glob("trained-*/"):
-            _LOCAL_RUN["checkpoint"] = Path(shutil.copytree(src, tmp_path_factory.mktemp("trained") / src.name))
+        root = session_dir(tmp_path_factory)
+        record = root / "default-run.json"
+        with open(root / "default-run.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not record.exists():
+                wd = root / "default"
+                wd.mkdir()
+                env = {k: v for k, v in os.environ.items()
+                       if k != "MLFLOW_TRACKING_URI" and not k.startswith("SLURM_")}
+                t0 = time.perf_counter()
+                r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(wd),
+                                    "-c2"], capture_output=True, text=True, env=env, timeout=900)
+                seconds = time.perf_counter() - t0
+                # a copy of its trained checkpoint, before any test removes that working directory's .evident
+                ckpt = [str(shutil.copytree(src, root / "trained" / src.name))
+                        for src in (wd / ".evident/checkpoints").glob("trained-*/")]
+                record.write_text(json.dumps({"wd": str(wd), "args": r.args, "returncode": r.returncode,
+                                              "stdout": r.stdout, "stderr": r.stderr, "seconds": seconds,
+                                              "checkpoint": ckpt[-1] if ckpt else None}))
+        run = json.loads(record.read_text())
+        _LOCAL_RUN["run"] = (Path(run["wd"]), subprocess.CompletedProcess(run["args"], run["returncode"],
+                                                                         run["stdout"], run["stderr"]),
+                             run["seconds"])
+        if run["checkpoint"]:
+            _LOCAL_RUN["checkpoint"] = Path(run["checkpoint"])
     return _LOCAL_RUN["run"]
 
 

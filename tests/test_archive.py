@@ -476,6 +476,7 @@ def run_evident(wd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@cluster.shares_default_run
 def test_cli_on_pipeline_evidence(pipeline, tmp_path):
     wd, ev = pipeline
     r = run_evident(wd, "ls")
@@ -527,6 +528,7 @@ def test_cli_on_pipeline_evidence(pipeline, tmp_path):
 
 
 @pytest.mark.slow
+@cluster.shares_default_run
 def test_sync_on_pipeline_evidence_creates_no_duplicate(pipeline):
     wd, ev = pipeline
     uri = f"sqlite:///{wd / 'mlflow.db'}"
@@ -541,6 +543,7 @@ def test_sync_on_pipeline_evidence_creates_no_duplicate(pipeline):
 
 
 @pytest.mark.slow
+@cluster.shares_default_run
 def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
     wd, ev = pipeline
     index, page = wd / "evidence/index.html", wd / "evidence/_pages/tiny" / f"{ev.name}.html"
@@ -565,6 +568,7 @@ def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
 
 
 @pytest.mark.slow
+@cluster.shares_default_run
 def test_rerun_has_nothing_to_do_and_snakemake_report(pipeline):
     wd, ev = pipeline
     index = wd / "evidence/index.html"

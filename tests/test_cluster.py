@@ -265,6 +265,7 @@ def sealed(wd: Path) -> Path:
 
 
 @pytest.mark.slow
+@cluster.shares_default_run
 def test_default_campaign_on_slurm_equals_the_local_run(slurm, tmp_path_factory):
     local, r, local_s = cluster.default_local_run(tmp_path_factory)  # shared with any other test that needs it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

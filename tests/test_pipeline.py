@@ -72,6 +72,7 @@ def default_run(tmp_path_factory):
     return wd, first, first_s
 
 
+@cluster.shares_default_run
 def test_default_campaign_writes_sealed_evidence(default_run):
     wd, run, seconds = default_run
     ev = only_evidence_dir(wd, "tiny")
@@ -126,6 +127,7 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     assert bench["stats"]["tpot"]["count"] == bench["contract"]["repeats"] * (bench["contract"]["new_tokens"] - 2)
 
 
+@cluster.shares_default_run
 def test_evidence_has_no_host_user_or_home(default_run):
     wd, _, _ = default_run
     ev = only_evidence_dir(wd, "tiny")
@@ -139,6 +141,7 @@ def test_evidence_has_no_host_user_or_home(default_run):
                 assert not re.search(n, text), f"{n!r} in {p.relative_to(ev)}"
 
 
+@cluster.shares_default_run
 def test_mlflow_has_one_parent_and_a_child_per_stage(default_run):
     from mlflow.tracking import MlflowClient
 
@@ -160,6 +163,7 @@ def test_mlflow_has_one_parent_and_a_child_per_stage(default_run):
     assert "parity/comparison.json" in {a.path for a in c.list_artifacts(compare.info.run_id, "parity")}
 
 
+@cluster.shares_default_run
 def test_second_run_does_nothing(default_run):
     wd, _, _ = default_run
     ev = only_evidence_dir(wd, "tiny")
@@ -237,7 +241,8 @@ def test_accuracy_gap_fails_the_run_after_sealing_a_real_divergence(tmp_path):
     defect itself, with or without `parity.require_exact`."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())["checkpoint"]["config"]
     cfg["norm_topk_prob"] = True
-    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path, **{"checkpoint.config": cfg})))
+    # parity and its oracle alone: the stages that see the gap
+    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path, **{"checkpoint.config": cfg, "stages": ["parity"]})))
     assert r.returncode != 0
     assert "engine_accuracy_gap" in r.stdout + r.stderr
     ev = only_evidence_dir(tmp_path, "e2e")
@@ -263,7 +268,7 @@ def test_parity_covers_the_triton_decode_path(tmp_path):
     the CPU) and each setting gets its own parity cells against the same oracle."""
     cfg = campaign(tmp_path, **{"parity.kernels": ["torch", "triton"], "parity.batch_sizes": [1, 2],
                                 "cases": [{"name": "greeting", "prompt": "Hello", "max_new_tokens": 4}],
-                                "overlap": {"inputs": 4}})
+                                "stages": ["parity"]})  # and its oracle: no other stage runs the triton path here
     r = snakemake(tmp_path, "--configfile", str(cfg))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ev = only_evidence_dir(tmp_path, "e2e")
