@@ -257,6 +257,11 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
     }
 
 
+def compare_parity(oracle: dict, runs: list[dict], parity: dict) -> dict:
+    """compare() under a campaign's parity section, as the stage runs it: a null near_tie_margin is measured."""
+    return compare(oracle, runs, parity.get("near_tie_margin"), parity["logic_tolerance"], parity["precision_bound"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
@@ -264,12 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     parity = config["parity"]
-    near_tie = parity.get("near_tie_margin")
-    tol, bound = parity["logic_tolerance"], parity["precision_bound"]
+    params = {"logic_tolerance": parity["logic_tolerance"], "precision_bound": parity["precision_bound"]}
     try:
-        with Stage(args.evidence, "compare", params={"logic_tolerance": tol, "precision_bound": bound}) as st:
-            result = compare(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], near_tie,
-                             tol, bound)
+        with Stage(args.evidence, "compare", params=params) as st:
+            result = compare_parity(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], parity)
             st.write_json("parity/comparison.json", result)
             st.tags[gates.PARITY.tag] = result["verdict"]
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
