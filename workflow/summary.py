@@ -171,7 +171,8 @@ def parity_claims(oracle: dict | None, comparison: dict | None, config: dict, en
         "see low-precision arithmetic (the float32 run takes the same kernels in float32) nor anything past the traces.",
         *([f"- The precision check holds the engine's {config['dtype']} error against the float32 oracle to at most "
            f"{comparison['precision_bound']:g}x transformers' own in {config['dtype']}, pooled over each cell's cases. "
-           "It sees a reduction or norm done in the low dtype; it bounds no single position"
+           "It sees low-precision arithmetic that raises the error beyond that bound, not a smaller loss (the README's "
+           "measured table, under Campaigns); it bounds no single position"
            + (", and on random weights both errors are tenths of a nat, which is why bf16 free-running traces part "
               "at near-ties." if ckpt["source"] == checkpoints.RANDOM else ".")]
           if config["dtype"] != "float32" else []),
