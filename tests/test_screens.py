@@ -6,7 +6,6 @@ following the user's code; and, through Snakemake, a campaign whose own screen i
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -19,16 +18,15 @@ import yaml
 import tinyev
 from campaigns import rejected
 from kernels.overlap import Screen, ScreenError, checked
+from test_overlap import C4, seal_and_gate
+from test_overlap import write_config as overlap_config
 from workflow import archive, screens, summary, tracking
 from workflow.campaign import evidence_config, validate_campaign
-from workflow.evidence import read_json, write_manifest
-from workflow.stages import gate
+from workflow.evidence import read_json
 from workflow.stages import overlap as ov
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
 PNG = b"\x89PNG\r\n\x1a\n"
-C4 = {"K": 4096, "segments": [2048, 512, 64], "gemm_n": 1536}
 CUDA = torch.cuda.is_available()
 GOOD = {"name": "doubling", "module": "tests.userscreens:doubling"}
 BROKEN = {"name": "broken", "module": "tests.userscreens:perturbed"}
@@ -37,22 +35,7 @@ BROKEN = {"name": "broken", "module": "tests.userscreens:perturbed"}
 def write_config(ev: Path, own: list[dict], **overlap) -> dict:
     """The default campaign (no built-in shapes unless `overlap` states them) with these screens of its own, on
     `auto`: the CPU here, CUDA graphs and timing on a GPU machine."""
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg.setdefault("stages", SCHEMA["stages"]["default"])  # read by the gate
-    cfg["device"] = "auto"
-    cfg["overlap"] = {**{k: v["default"] for k, v in SCHEMA["overlap"]["properties"].items()},
-                      "inputs": 3, "trials": 4, "warmup": 1, **overlap}
-    cfg["screens"] = own
-    ev.mkdir(parents=True, exist_ok=True)
-    (ev / "config.yaml").write_text(yaml.safe_dump(cfg))
-    return cfg
-
-
-def gate_verdict(ev: Path, out: Path) -> str:
-    """The overlap verdict the gate recorded after sealing (it exits when it fails the run)."""
-    write_manifest(ev, {"evidence_id": ev.name, "verdict": "all_token_text_exact"})
-    gate.main(["--evidence", str(ev), "--out", str(out)])
-    return read_json(out)["verdicts"]["overlap"]
+    return overlap_config(ev, "auto", own, **{"inputs": 3, "trials": 4, "warmup": 1, **overlap})
 
 
 @pytest.fixture(autouse=True)
@@ -214,7 +197,7 @@ def test_the_index_record_and_gate_cover_every_screen(correct_run, tmp_path):
     assert {"doubling.bitwise_equal": 3, "plain.bitwise_inputs": 3} .items() <= rec["metrics"].items()
     assert "bitwise_equal" not in rec["metrics"]  # the built-in did not run
     assert {"overlap/doubling/screen.json", "plots/overlap-plain.png", screens.INDEX} <= set(rec["files"])
-    assert gate_verdict(ev, tmp_path / "gate.json") == index["verdict"]
+    assert seal_and_gate(ev, tmp_path / "gate.json") == index["verdict"]
     assert archive.load(ev).gates["overlap"] == index["verdict"]  # read from the index, not the built-in's file
 
 
@@ -224,8 +207,8 @@ def test_summary_lists_each_screen(correct_run):
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert [r.split("|")[1].strip() for r in rows] == ["`c4`", "`doubling`", "`plain`"]
     assert [r.split("|")[3].strip() for r in rows] == ["—", "3/3", "3/3"]
-    assert "### Overlap A/B screen (skipped)" in text
-    assert ("### Overlap A/B screen `doubling` (`tests.userscreens:doubling`; outputs doubled float32[8, 32], "
+    assert "\n#### Overlap A/B screen (skipped)" in text
+    assert ("\n#### Overlap A/B screen `doubling` (`tests.userscreens:doubling`; outputs doubled float32[8, 32], "
             "row_sum float32[8])") in text
     assert "![overlap screen](plots/overlap-plain.png)" in text or "![overlap A/B timings](plots/overlap-plain.png)" in text
 
@@ -246,7 +229,7 @@ def test_a_perturbed_b_in_any_screen_fails_the_gate(tmp_path):
     assert index["reason"] == "`broken` bitwise_mismatch: 2 of 2 input sets gave outputs of A and B that differ"
     assert read_json(ev / "stages/overlap.json")["tags"]["overlap.verdict"] == "bitwise_mismatch"
     with pytest.raises(SystemExit, match=r"overlap A/B screens .*says bitwise_mismatch \(`broken` .*\); see overlap/screens.json"):
-        gate_verdict(ev, tmp_path / "gate.json")
+        seal_and_gate(ev, tmp_path / "gate.json")
     assert not (tmp_path / "gate.json").exists()
 
 

@@ -237,19 +237,20 @@ def overlap_section(root: Path) -> list[str]:
                    [f"`{e['name']}`", f"`{e['factory']}`",
                     "—" if e["inputs"] is None else f"{e['all_outputs_equal']}/{e['inputs']}", f"`{e['verdict']}`"]
                    for e in index["screens"]]), ""]
-        return out + [line for e in index["screens"] for line in screen_section(read_json(root / e["files"]["screen"]),
-                                                                                 e["files"]["plot"])]
+        return out + [line for e in index["screens"]
+                      for line in screen_section(read_json(root / e["files"]["screen"]), e["files"]["plot"], "####")]
     if not (root / builtin["screen"]).is_file():
         return []
     return screen_section(read_json(root / builtin["screen"]), builtin["plot"])
 
 
-def screen_section(s: dict, plot: str) -> list[str]:
-    """One screen (its screen.json): bitwise counts, then medians per envelope or why not; or why it was skipped."""
+def screen_section(s: dict, plot: str, level: str = "###") -> list[str]:
+    """One screen (its screen.json) under a heading of `level`: bitwise counts, then medians per envelope or why
+    not; or why it was skipped."""
     name = s.get("name", screens.BUILTIN)  # a directory sealed before screens had names: the built-in's
     title = "Overlap A/B screen" if name == screens.BUILTIN else f"Overlap A/B screen `{name}`"
     if s.get("skipped"):
-        return [f"### {title} (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
+        return [f"{level} {title} (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
                 f"![overlap screen]({plot})", ""]
     sh, bw, tm = s["shapes"], s["bitwise"], s["timing"]
     if sh:
@@ -263,7 +264,7 @@ def screen_section(s: dict, plot: str) -> list[str]:
     graph = ("" if bw["graph_equal_eager"] is None
              else f"; graph replay of A = eager A on {bw['graph_equal_eager']}/{bw['inputs']}")
     out = [
-        f"### {title} ({what})",
+        f"{level} {title} ({what})",
         "",
         f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.",
         "",

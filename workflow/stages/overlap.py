@@ -4,7 +4,8 @@ side stream) and the campaign's own (`screens:`, factories in the user's code).
 The experiment is kernels/overlap.py (the screen contract, the bitwise comparison, the CUDA-graph timing); this
 stage makes every screen (the built-in's factory with the campaign's shapes, then each of `screens:`, all made and
 checked before any is measured), runs the experiment on each and writes the evidence: per screen its screen.json,
-timings.csv and plot (workflow/screens.py `files`), and the index overlap/screens.json with the stage's verdict.
+timings.csv and plot (workflow/screens.py `files`), and, when the campaign has screens of its own, the index
+overlap/screens.json with the stage's verdict (without, the built-in's screen.json is the stage's document).
 
 The built-in's shapes: the campaign's model's own where it has the screened projections (`model_shapes`:
 DeepSeek-V4's C4 auxiliary GEMVs; with the checkpoint, `layer_weights`: its first C4 layer's own weights, in the
