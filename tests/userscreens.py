@@ -22,6 +22,8 @@ def _inputs(device: str):
 
 
 def _b(x: torch.Tensor, perturb: bool):
+    inf = torch.full((), float("inf"), device=x.device)  # made here: a CUDA graph capture cannot copy from the host
+
     def b(side):
         """x + x on a side stream (the same bits as 2 * x) beside the row sums on the current stream."""
         if side is not None:
@@ -29,7 +31,7 @@ def _b(x: torch.Tensor, perturb: bool):
         with torch.cuda.stream(side):  # None (the CPU): no-op
             y = x + x
             if perturb:  # the defect: one element one ulp off
-                y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf"), device=x.device))
+                y[0, 0] = torch.nextafter(y[0, 0], inf)
         s = x.sum(1)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)  # join before the outputs are read
