@@ -11,7 +11,8 @@ pdl.py     programmatic dependent launch: the launch flags and the wait every ke
 audit.py   registers, spills and shared memory of each compiled kernel
 bench.py   gemv_fused (or --skinny: skinny_linear) against F.linear on a GPU
 graphs.py  capture: warm up on a side stream, capture one CUDA graph (benchmarks, overlap screen, graph decode)
-overlap.py the overlap A/B experiment: split GEMVs on the main stream vs the fused GEMV on a side stream
+overlap.py the A/B screens: the contract (Screen), the bitwise check and timing every screen runs through, and
+           the built-in screen (c4_screen): split GEMVs on the main stream vs the fused GEMV on a side stream
 
 The registry is kernels/KERNELS.md. Nothing here imports the rest of the project.
 """

@@ -32,13 +32,15 @@ def overlap_defaults() -> dict:
     return {k: v["default"] for k, v in SCHEMA["overlap"]["properties"].items()}
 
 
-def write_config(ev: Path, device: str, **overlap) -> dict:
-    """The default campaign's config with the device and `overlap` keys overridden over the schema's
-    `overlap` defaults (read from the schema, not validated: snakemake need not be installed here)."""
+def write_config(ev: Path, device: str, screens: list[dict] = (), **overlap) -> dict:
+    """The default campaign's config with the device, `screens` (tests/test_screens.py) and `overlap` keys
+    overridden over the schema's `overlap` defaults (read from the schema, not validated: snakemake need not be
+    installed here)."""
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
     cfg.setdefault("stages", SCHEMA["stages"]["default"])  # read by the gate
     cfg["device"] = device
     cfg["overlap"] = {**overlap_defaults(), **overlap}
+    cfg["screens"] = list(screens)
     ev.mkdir(parents=True, exist_ok=True)
     (ev / "config.yaml").write_text(yaml.safe_dump(cfg))
     return cfg

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from workflow import tracking
-from workflow.gates import GATES, PARITY
+from workflow.gates import GATES, PARITY, document
 from workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
                                utc_now, write_json)
 
@@ -212,7 +212,7 @@ class Evidence:
         files = {f for r in self.records for f in r.get("files", [])}
         found = {}
         for g in GATES:
-            doc = self.read(g.file) if g.file in files else None
+            doc = self.read(f) if (f := document(g, files)) else None
             if isinstance(doc, dict) and isinstance(doc.get("verdict"), str):
                 found[g.name] = doc["verdict"]
         if not found and (self.manifest or {}).get("verdict"):

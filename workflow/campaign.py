@@ -20,7 +20,7 @@ from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
 
 from engine.config import V4, ModelArgs, V4Args, args_from_hf
-from workflow import checkpoints, estimate, runs
+from workflow import checkpoints, estimate, runs, screens
 from workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
@@ -225,7 +225,8 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     not be blank, and each must fit the model's context with its new tokens: counted with the tokenizer where it
     exists before any work (synthetic, local; a hub checkpoint's record counts them), else at least fewer new tokens
     than the context. The quality defaults are fitted and checked (estimate.fit_quality), the reference must be a
-    target, expert-parallel ranks must divide the experts, what the engine cannot run on the model is refused
+    target, each of `screens` must name a factory that imports (workflow/screens.py `problems`), expert-parallel
+    ranks must divide the experts, what the engine cannot run on the model is refused
     (`v4_problems`), and `device: cuda` needs a GPU here (set EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without
     one, whose jobs run elsewhere).
     """
@@ -270,6 +271,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
                                "shapes are stated together or taken from the model"))
     if o["segments"] is not None and len(o["segments"]) != len(o["segment_dtypes"]):
         out.append(("overlap.segment_dtypes", "needs one dtype per overlap.segments entry"))
+    out += screens.problems(config)
     experts, ep = (model or {}).get("n_routed_experts"), config["parallel"]["ep_size"]
     if experts and set(runs.EP_BACKENDS) & set(config["parity"]["backends"] + config["bench"]["backends"]) and experts % ep:
         out.append(("parallel.ep_size", f"{ep} ranks do not divide the model's {experts} routed experts "
@@ -394,6 +396,8 @@ def evidence_config(config: dict) -> dict:
 
     `tracking` and `resources` are left out (where runs are logged and what jobs asked a scheduler for are
     not part of what was measured, and a URL may carry a host or credentials); file system paths are redacted.
+    Each of `screens` gets the `source_sha256` of the user's code it runs (None where it does not import: the
+    campaign check says why).
     """
     out = copy.deepcopy({k: v for k, v in config.items() if k not in ("tracking", "resources")})
     if out["checkpoint"].get("path"):
@@ -409,4 +413,6 @@ def evidence_config(config: dict) -> dict:
     for t in targets:  # an endpoint URL may carry a host or credentials
         if isinstance(t, dict) and t.get("url"):
             t["url"] = f"<url>#{sha256_bytes(t['url'].encode())[:8]}"
+    for e in out.get("screens") or []:  # the user's code is what a screen measures, as the project's own is
+        e["source_sha256"] = screens.source_sha256(e["module"])
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workflow import gsm8k
+from workflow import gsm8k, screens
 from workflow.verdicts import DEFECTS
 
 
@@ -19,6 +19,7 @@ class Gate:
     file: str  # the evidence file whose top-level `verdict` is the gate's
     failing: frozenset[str]  # verdicts that fail the run (a document marked `advisory` fails nothing)
     what: str  # how a message names it
+    fallback: str | None = None  # the file that holds the verdict in a directory without `file`
 
     @property
     def tag(self) -> str:
@@ -28,14 +29,21 @@ class Gate:
 GATES = (
     # `parity.require_exact` adds near_tie_divergence (the gate stage)
     Gate("parity", "parity", "parity/comparison.json", frozenset(DEFECTS), "the parity verdict"),
-    Gate("overlap", "overlap", "overlap/screen.json", frozenset({"bitwise_mismatch"}),
-         "the overlap A/B screen (outputs of A and B differ)"),
+    # any screen's bitwise_mismatch is the stage's (workflow/stages/overlap.py `stage_verdict`); a campaign without
+    # screens of its own has the built-in's file only
+    Gate("overlap", "overlap", screens.INDEX, frozenset({"bitwise_mismatch"}),
+         "the overlap A/B screens (outputs of A and B differ)", fallback=screens.files(screens.BUILTIN)["screen"]),
     Gate("audit", "kernel_audit", "kernels/audit.json", frozenset({"spills"}),
          "the kernel resource audit (register spills)"),
     # no_claim fails too: nothing comparable happened, so nothing passed
     Gate("quality", "quality", gsm8k.GATE, frozenset(gsm8k.VERDICTS) - {"pass"}, "the GSM8K quality gate"),
 )
 BY_NAME = {g.name: g for g in GATES}
+
+
+def document(gate: Gate, files) -> str | None:
+    """The file among `files` (a directory's, relative) that holds the gate's verdict: its own, else its fallback."""
+    return next((f for f in (gate.file, gate.fallback) if f and f in files), None)
 PARITY = BY_NAME["parity"]
 
 

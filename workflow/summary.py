@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow import checkpoints, gsm8k
+from workflow import checkpoints, gsm8k, screens
 from workflow.evidence import read_config, read_json
 from workflow.runs import STAGES
 from workflow.traces import markdown
@@ -227,22 +227,45 @@ def audit_section(root: Path) -> list[str]:
 
 
 def overlap_section(root: Path) -> list[str]:
-    """The overlap A/B screen (overlap/screen.json): bitwise counts, then medians per envelope or why not; or why
-    the screen was skipped."""
-    if not (root / "overlap/screen.json").is_file():
+    """The overlap A/B screens: with screens of the campaign's own (overlap/screens.json) a table of every screen's
+    verdict, then each screen's section; else the built-in screen's (overlap/screen.json) alone."""
+    builtin = screens.files(screens.BUILTIN)
+    if (root / screens.INDEX).is_file():
+        index = read_json(root / screens.INDEX)
+        out = [f"### Overlap A/B screens: **`{index['verdict']}`**", "",
+               f"{index['reason']}.", "",
+               markdown(["screen", "factory", "bitwise equal", "verdict"], [
+                   [f"`{e['name']}`", f"`{e['factory']}`",
+                    "—" if e["inputs"] is None else f"{e['all_outputs_equal']}/{e['inputs']}", f"`{e['verdict']}`"]
+                   for e in index["screens"]]), ""]
+        return out + [line for e in index["screens"]
+                      for line in screen_section(read_json(root / e["files"]["screen"]), e["files"]["plot"], "####")]
+    if not (root / builtin["screen"]).is_file():
         return []
-    s = read_json(root / "overlap/screen.json")
+    return screen_section(read_json(root / builtin["screen"]), builtin["plot"])
+
+
+def screen_section(s: dict, plot: str, level: str = "###") -> list[str]:
+    """One screen (its screen.json) under a heading of `level`: bitwise counts, then medians per envelope or why
+    not; or why it was skipped."""
+    name = s.get("name", screens.BUILTIN)  # a directory sealed before screens had names: the built-in's
+    title = "Overlap A/B screen" if name == screens.BUILTIN else f"Overlap A/B screen `{name}`"
     if s.get("skipped"):
-        return ["### Overlap A/B screen (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
-                "![overlap screen](plots/overlap.png)", ""]
+        return [f"{level} {title} (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
+                f"![overlap screen]({plot})", ""]
     sh, bw, tm = s["shapes"], s["bitwise"], s["timing"]
-    source = {"model": "shapes from the model", "campaign": "shapes stated by the campaign",
-              "cpu-small": "small interpreter shapes"}.get(sh["source"], f"{sh['source']} shapes")
+    if sh:
+        source = {"model": "shapes from the model", "campaign": "shapes stated by the campaign",
+                  "cpu-small": "small interpreter shapes"}.get(sh["source"], f"{sh['source']} shapes")
+        what = (f"K={sh['K']} → {'+'.join(map(str, sh['segments']))} ({'/'.join(sh['segment_dtypes'])}) beside a GEMM "
+                f"K={sh['K']} → {sh['gemm_n']}, {sh['dtype']}; {source}")
+    else:
+        what = f"`{s['factory']}`; outputs " + ", ".join(
+            f"{o['name']} {o['dtype']}{o['shape']}" for o in bw["outputs"])
     graph = ("" if bw["graph_equal_eager"] is None
              else f"; graph replay of A = eager A on {bw['graph_equal_eager']}/{bw['inputs']}")
     out = [
-        f"### Overlap A/B screen (K={sh['K']} → {'+'.join(map(str, sh['segments']))} "
-        f"({'/'.join(sh['segment_dtypes'])}) beside a GEMM K={sh['K']} → {sh['gemm_n']}, {sh['dtype']}; {source})",
+        f"{level} {title} ({what})",
         "",
         f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.",
         "",
@@ -254,7 +277,7 @@ def overlap_section(root: Path) -> list[str]:
         "",
     ]
     if not tm["measured"]:
-        return out + [f"Timing not measured: {tm['reason']}.", "", "![overlap screen](plots/overlap.png)", ""]
+        return out + [f"Timing not measured: {tm['reason']}.", "", f"![overlap screen]({plot})", ""]
 
     def cell(v: dict) -> str:
         return f"{v['median_us']:.2f} ({v['p10_us']:.2f}–{v['p90_us']:.2f})"
@@ -268,7 +291,7 @@ def overlap_section(root: Path) -> list[str]:
             [env, cell(e["A"]), cell(e["B"]), f"{e['ratio_b_over_a']:.3f}", e["claim"], e["reason"] or ""]
             for env, e in tm["envelopes"].items()]),
         "",
-        "![overlap A/B timings](plots/overlap.png)",
+        f"![overlap A/B timings]({plot})",
         "",
     ]
     return out

@@ -18,7 +18,8 @@ without opening a child (all read from the stage records, bench cells and env.js
   (`bench.single-b1`, `bench.single-graph-b8`, `bench.hf-b8`: the path suffix is empty for torch), from
   the cell's steady TPOT p50 and decode tok/s; `parity.cells`, `parity.cells_exact` (the compare record);
   `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
-  median ratio per timing envelope, `warm` and `scrubbed`). Only records with status ok count.
+  median ratio per timing envelope, `warm` and `scrubbed`, of the built-in screen; `overlap.<screen>.<envelope>.
+  b_over_a` of each of the campaign's `screens`). Only records with status ok count.
 - artifacts: SUMMARY.md, config.yaml, env.json, checkpoint.json, MANIFEST.json and `plots/*.png` under
   `plots/`, the path SUMMARY.md's image links name. MLflow 3.17.2's markdown artifact view does not resolve
   those links: it renders an image only when its URL has a scheme (`data:`, `http:` ...) and prints a

@@ -20,6 +20,8 @@ REPORTED = {  # name: (path, caption, category, the stage that writes it; None: 
     "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels", "kernel_audit"),
     "quality_gate": (f"{E}/{gsm8k.GATE}", "quality-gate.rst", "Quality", "quality"),
     "profile_plot": (f"{E}/plots/profile.png", "profile-plot.rst", "Profile", "profile"),
+    **{f"overlap_{e['name']}_{kind}": (f"{E}/{screens.files(e['name'])[kind]}", f"overlap-{kind}.rst", "Overlap", "overlap")
+       for e in config["screens"] for kind in ("screen", "plot")},
 }
 ARCHIVE_INPUTS = {
     name: report(path, caption=f"../report/{caption}", category=category)

@@ -3,7 +3,7 @@ import json
 import os
 import sys
 
-from workflow import gpus, gsm8k, runs
+from workflow import gpus, gsm8k, runs, screens
 from workflow.campaign import evidence_config
 from workflow.estimate import cache_dir
 from workflow.evidence import evidence_id, git_state

@@ -1,7 +1,9 @@
 from engine.config import V4
 
-# Overlap A/B screen: split GEMVs on the main stream vs the fused GEMV on a side stream beside a GEMM.
-# Bitwise on fresh inputs everywhere (Triton interpreter on the CPU); CUDA graph timings on a GPU.
+# Overlap A/B screens: the built-in one (split GEMVs on the main stream vs the fused GEMV on a side stream beside a
+# GEMM) and the campaign's own (`screens:`). Bitwise on fresh inputs everywhere (the Triton interpreter on the CPU);
+# CUDA graph timings on a GPU.
+OWN_SCREENS = [f"{E}/{path}" for e in config["screens"] for path in screens.files(e["name"]).values()]
 
 
 rule overlap:
@@ -13,6 +15,7 @@ rule overlap:
         screen=f"{E}/overlap/screen.json",
         timings=f"{E}/overlap/timings.csv",
         plot=f"{E}/plots/overlap.png",
+        own=OWN_SCREENS + ([f"{E}/{screens.INDEX}"] if OWN_SCREENS else []),
     # A timing run takes all cores, so no other job runs beside it; on the CPU it only compares bits.
     threads: ALONE if USES_GPU else 1
     resources:

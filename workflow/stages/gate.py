@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 from workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json
-from workflow.gates import GATES, PARITY
+from workflow.gates import GATES, PARITY, document
 from workflow.runs import STAGES
 
 
-def failure(gate, doc: dict) -> str | None:
+def failure(gate, doc: dict, path: str) -> str | None:
     if doc["verdict"] not in gate.failing or doc.get("advisory"):
         return None
     why = doc.get("first_divergence") or doc.get("reason")
-    return f"{gate.what} says {doc['verdict']}" + (f" ({why})" if why else "") + f"; see {gate.file}"
+    return f"{gate.what} says {doc['verdict']}" + (f" ({why})" if why else "") + f"; see {path}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     config = read_config(args.evidence / "config.yaml")
     manifest = read_json(args.evidence / MANIFEST)
-    docs = {g.name: read_json(args.evidence / g.file) for g in GATES if g.file in manifest["files"]}
+    paths = {g.name: path for g in GATES if (path := document(g, manifest["files"]))}
+    docs = {name: read_json(args.evidence / path) for name, path in paths.items()}
     sealed = f"the evidence is sealed in {args.evidence}"
     for g in GATES:
-        if g.name in docs and (why := failure(g, docs[g.name])):
+        if g.name in docs and (why := failure(g, docs[g.name], paths[g.name])):
             sys.exit(f"[gate] {why}; {sealed}")
     parity = docs.get(PARITY.name, {}).get("verdict")
     if config["parity"]["require_exact"] and parity is not None and parity != "all_token_text_exact":

@@ -1,24 +1,31 @@
-"""Stage `overlap`: A/B screen of the auxiliary GEMVs, split on the main stream vs fused on a side stream.
+"""Stage `overlap`: kernel A/B screens, the built-in one (the auxiliary GEMVs split on the main stream vs fused on a
+side stream) and the campaign's own (`screens:`, factories in the user's code).
 
-The experiment is kernels/overlap.py (the variants, the bitwise comparison, the CUDA-graph timing); this stage
-turns the campaign into shapes, runs the experiment and writes the evidence.
+The experiment is kernels/overlap.py (the screen contract, the bitwise comparison, the CUDA-graph timing); this
+stage makes every screen (the built-in's factory with the campaign's shapes, then each of `screens:`, all made and
+checked before any is measured), runs the experiment on each and writes the evidence: per screen its screen.json,
+timings.csv and plot (workflow/screens.py `files`), and, when the campaign has screens of its own, the index
+overlap/screens.json with the stage's verdict (without, the built-in's screen.json is the stage's document).
 
-Shapes: the campaign's model's own where it has the screened projections (`model_shapes`: DeepSeek-V4's C4
-auxiliary GEMVs; with the checkpoint, `layer_weights`: its first C4 layer's own weights, in the campaign's dtype),
-else overlap.K, overlap.segments and overlap.gemm_n as the campaign states them; with neither
-the stage is recorded as skipped with SKIP_REASON (verdict `not_measured`; the timings header only and a plot
-saying so). Without CUDA the bitwise part runs through the Triton interpreter on small shapes (CPU_SHAPES) and
-timing is recorded as not measured, with the reason; overlap/timings.csv then holds the header only.
+The built-in's shapes: the campaign's model's own where it has the screened projections (`model_shapes`:
+DeepSeek-V4's C4 auxiliary GEMVs; with the checkpoint, `layer_weights`: its first C4 layer's own weights, in the
+campaign's dtype), else overlap.K, overlap.segments and overlap.gemm_n as the campaign states them; with neither
+the built-in screen is recorded as skipped with SKIP_REASON (verdict `not_measured`; the timings header only and a
+plot saying so), and so is the stage when the campaign has no screens of its own. Without CUDA the bitwise part
+runs eagerly (the built-in through the Triton interpreter on small shapes, CPU_SHAPES) and timing is recorded as
+not measured, with the reason; the timings then hold the header only.
 
-Verdict: any input set on which an output of A and B differ gives `bitwise_mismatch` (the gate fails the run
-after sealing; the stage itself still succeeds, so the evidence is written and sealed). Otherwise B is called
-faster or slower only beyond benchstats.NOISE in every envelope with neither variant noisy, a variant's noise
-being the spread of its block medians (as bench's is the spread of its repeat medians).
+A screen's verdict: any input set on which an output of A and B differ gives `bitwise_mismatch`. Otherwise B is
+called faster or slower only beyond benchstats.NOISE in every envelope with neither variant noisy, a variant's
+noise being the spread of its block medians (as bench's is the spread of its repeat medians). The stage's verdict
+(`stage_verdict`) is `bitwise_mismatch` when any screen's is: the gate fails the run after sealing; the stage itself
+still succeeds, so the evidence is written and sealed.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import sys
 from pathlib import Path
@@ -27,13 +34,15 @@ import numpy as np
 import torch
 
 from engine.config import V4
-from kernels.overlap import BLOCKS, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, Problem, bitwise, samples, timing
-from workflow import benchstats, checkpoints
+from kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, ScreenError, bitwise,
+                             c4_screen, checked, layout, samples, timing)
+from workflow import benchstats, checkpoints, screens
 from workflow.environment import require_interpreter, resolve_device
 from workflow.evidence import Stage, read_config, write_bytes, write_text
 
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
 NO_TIMING = "no CUDA device: the Triton interpreter ran the bitwise part; timing needs a GPU"
+EAGER = "no CUDA device: the variants ran eagerly on the CPU (no side streams, no graphs); timing needs a GPU"
 CPU_OWN = 1 << 18  # a model's own C4 layer this small (K x joined rows) runs under the interpreter as it is
 SKIP_REASON = ("the campaign's model has no auxiliary GEMV projections to screen and the campaign states no "
                "overlap shapes")
@@ -102,6 +111,27 @@ def overall_verdict(inputs: int, equal: int, envelopes: dict | None, not_measure
                                  for env, e in envelopes.items())
 
 
+def stage_verdict(entries: list[dict]) -> tuple[str, str]:
+    """(verdict, reason) of the stage over its screens' index entries: one screen's own; else `bitwise_mismatch` when
+    any screen's is, else the verdict every measured screen shares, `no_claim` when they differ, `not_measured` when
+    none was measured. The reason names the screens it comes from."""
+    if len(entries) == 1:
+        return entries[0]["verdict"], entries[0]["verdict_reason"]
+
+    def says(es: list[dict]) -> str:
+        return "; ".join(f"`{e['name']}` {e['verdict']}: {e['verdict_reason']}" for e in es)
+
+    bad = [e for e in entries if e["verdict"] == "bitwise_mismatch"]
+    if bad:
+        return "bitwise_mismatch", says(bad)
+    measured = [e for e in entries if e["verdict"] != "not_measured"]
+    if not measured:
+        return "not_measured", says(entries)
+    if len({e["verdict"] for e in measured}) == 1:
+        return measured[0]["verdict"], says(measured)
+    return "no_claim", "the screens differ: " + says(measured)
+
+
 # --- plot ------------------------------------------------------------------------------------
 
 def plot(screen: dict, rows: list[list], path: Path) -> Path:
@@ -111,13 +141,17 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
     from matplotlib.figure import Figure
 
     bw, sh, timing_ = screen["bitwise"], screen["shapes"], screen["timing"]
+    name = screen.get("name", screens.BUILTIN)
+    title = "Overlap A/B screen" + ("" if name == screens.BUILTIN else f" `{name}`")
     head = (f"bitwise: {bw['all_outputs_equal']}/{bw['inputs']} input sets equal" if bw else "not measured")
     head += f"; verdict {screen['verdict']}"
     if not timing_["measured"]:
-        lines = [("Overlap A/B screen: " + head, 10)]
+        lines = [(f"{title}: " + head, 10)]
         if sh:
             lines.append((f"K={sh['K']} -> {'+'.join(map(str, sh['segments']))} beside GEMM K={sh['K']} -> "
                           f"{sh['gemm_n']} ({sh['source']} shapes)", 9))
+        elif bw:
+            lines.append((f"{screen['factory']}, outputs " + ", ".join(o["name"] for o in bw["outputs"]), 9))
         lines.append((("timing: " if bw else "skipped: ") + timing_["reason"], 9))
         fig = Figure(figsize=(7, 2.5))
         FigureCanvasAgg(fig)
@@ -131,7 +165,7 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
         axes = fig.subplots(1, len(ENVELOPES))
         for ax, env in zip(axes, ENVELOPES):
             ax.boxplot([samples(rows, env, v) for v in VARIANTS], showfliers=False, whis=(10, 90))
-            ax.set_xticks([1, 2], ["A: split, main", "B: fused, aux"])
+            ax.set_xticks([1, 2], ["A: split, main", "B: fused, aux"] if name == screens.BUILTIN else ["A", "B"])
             e = timing_["envelopes"][env]
             for x, v in enumerate(VARIANTS, start=1):
                 ax.annotate(f"{e[v]['median_us']:.1f}", (x, e[v]["median_us"]), textcoords="offset points",
@@ -140,7 +174,7 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
             ax.set_title(f"{env}: {e['claim']} (B/A {e['ratio_b_over_a']:.3f})", fontsize=10)
             ax.set_ylim(bottom=0)  # a zoomed axis would draw a 3% difference as a gulf
             ax.grid(True, axis="y", alpha=0.3)
-        fig.suptitle("Overlap A/B screen — " + head, fontsize=10)
+        fig.suptitle(f"{title} — " + head, fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
@@ -236,24 +270,15 @@ def layer_weights(ckpt: Path, model: dict, dtype: str) -> tuple[dict, tuple]:
     return {"layer": layer, "aux": aux, "gemm": main, "dtype": dtype}, (w, wg)
 
 
-def measure(shapes: dict, cfg: dict, device: str, weights: tuple | None = None) -> tuple[dict, dict, list[list]]:
-    """Run the experiment of kernels/overlap.py on these shapes: (bitwise record, timing record, timing rows);
-    ``weights`` (joined auxiliary rows, GEMM rows): a model's own, kept for every input set."""
+def measure(made: tuple, label: str, cfg: dict, device: str, not_timed: str) -> tuple[dict, dict, list[list]]:
+    """Run the experiment of kernels/overlap.py on a screen (`make`'s): (bitwise record, timing record, timing rows);
+    without CUDA the timing is not measured, for the reason `not_timed`."""
     cuda = device.startswith("cuda")
-    gemv = _kernels(device)
-    dt = checkpoints.DTYPES
-    p = Problem(shapes["K"], shapes["segments"], [dt[d] for d in shapes["segment_dtypes"]], shapes["gemm_n"],
-                dt[shapes["dtype"]], device)
-    if weights is not None:
-        p.load(*(t.to(device) for t in weights))
-    print(f"[overlap] {device}: K={p.K} -> {'+'.join(map(str, p.sizes))} ({', '.join(shapes['segment_dtypes'])}) "
-          f"beside GEMM K={p.K} -> {p.gemm_n}, {cfg['inputs']} input sets"
-          + ("" if cuda else f"; {shapes['reason'] or NO_TIMING}"), flush=True)
     with torch.inference_mode():
-        bits, graphs = bitwise(gemv, p, cfg["inputs"])
+        bits, graphs = bitwise(*made, device, cfg["inputs"], label)
         if not cuda:
-            return bits, {"measured": False, "reason": shapes["reason"] or NO_TIMING, "envelopes": None}, []
-        meta, rows = timing(graphs, cfg["trials"], cfg["warmup"])
+            return bits, {"measured": False, "reason": not_timed, "envelopes": None}, []
+        meta, rows = timing(graphs, cfg["trials"], cfg["warmup"], label)
     envelopes = {}
     for env in ENVELOPES:
         a, b = variant_stats(samples(rows, env, "A")), variant_stats(samples(rows, env, "B"))
@@ -262,9 +287,90 @@ def measure(shapes: dict, cfg: dict, device: str, weights: tuple | None = None) 
     return bits, timed, rows
 
 
+def builtin_factory(shapes: dict, device: str, weights: tuple | None):
+    """The built-in screen's factory with the campaign's shapes bound: called as factory(device), as the user's."""
+    dt = checkpoints.DTYPES
+    print(f"[overlap] {device}: K={shapes['K']} -> {'+'.join(map(str, shapes['segments']))} "
+          f"({', '.join(shapes['segment_dtypes'])}) beside GEMM K={shapes['K']} -> {shapes['gemm_n']}"
+          + ("" if device.startswith("cuda") else f"; {shapes['reason'] or NO_TIMING}"), flush=True)
+    return functools.partial(c4_screen, gemv=_kernels(device), K=shapes["K"], sizes=shapes["segments"],
+                             out_dtypes=[dt[d] for d in shapes["segment_dtypes"]], gemm_n=shapes["gemm_n"],
+                             dtype=dt[shapes["dtype"]], weights=weights)
+
+
+def make(name: str, ref: str, factory, device: str) -> tuple:
+    """(Screen, its outputs' layout) from factory(device), A and B run once on input set 0; ScreenError naming the
+    screen when it breaks the contract."""
+    what = f"screen `{name}` ({ref})"
+    try:
+        screen = factory(device)
+    except Exception as e:  # the user's factory failed: name it, keep the cause
+        raise ScreenError(f"{what}: factory({device!r}) raised {type(e).__name__}: {e}") from e
+    screen = checked(screen, what)
+    with torch.inference_mode():
+        return screen, layout(screen, device, what)
+
+
+def screen_doc(entry: dict, made: tuple | None, shapes: dict | None, cfg: dict, device: str, common: dict
+               ) -> tuple[dict, list[list]]:
+    """(screen.json, timing rows) of one screen: `make`'s, measured; None: the built-in without shapes (skipped)."""
+    name, ref = entry["name"], entry["module"]
+    builtin = name == screens.BUILTIN
+    label = "" if builtin else f"{name}: "
+    if made is None:
+        bits, rows = None, []
+        timed = {"measured": False, "reason": SKIP_REASON, "envelopes": None}
+        verdict, reason = "not_measured", SKIP_REASON
+    else:
+        bits, timed, rows = measure(made, label, cfg, device, (shapes["reason"] or NO_TIMING) if builtin else EAGER)
+        verdict, reason = overall_verdict(bits["inputs"], bits["all_outputs_equal"], timed["envelopes"],
+                                          timed["reason"])
+    print(f"[overlap] {label}verdict {verdict}: {reason}", flush=True)
+    return {
+        "name": name, "factory": ref, **({"source_sha256": entry["source_sha256"]} if "source_sha256" in entry else {}),
+        **common,
+        "skipped": None if made else SKIP_REASON,
+        "shapes": shapes if builtin else None,
+        "streams": made[0].streams if made else None,
+        "variants": DESCRIPTION if made is None else {"A": f"variant A of {ref}", "B": f"variant B of {ref}",
+                                                      **(made[0].variants or {}), "consumer": CONSUMER},
+        "bitwise": bits,
+        "timing": timed,
+        "timings_csv": "one row per timed replay" if rows else "header only: timing not measured",
+        "verdict": verdict,
+        "verdict_reason": reason,
+    }, rows
+
+
+def write_screen(st: Stage, evidence: Path, doc: dict, rows: list[list]) -> dict:
+    """A screen's files (screen.json, timings.csv, plot) and metrics (the built-in's unprefixed, as they always
+    were; another's prefixed `<name>.`); returns its entry in the index."""
+    f = screens.files(doc["name"])
+    st.write_json(f["screen"], doc)
+    st.add_file(write_text(evidence / f["timings"],
+                           CSV_HEADER + "".join(f"{e},{b},{t},{v},{us:.4f}\n" for e, b, t, v, us in rows)))
+    st.add_file(plot(doc, rows, evidence / f["plot"]))
+    bits, timed = doc["bitwise"], doc["timing"]
+    prefix = "" if doc["name"] == screens.BUILTIN else f"{doc['name']}."
+    if bits:
+        st.metrics[f"{prefix}bitwise_inputs"] = bits["inputs"]
+        st.metrics[f"{prefix}bitwise_equal"] = bits["all_outputs_equal"]
+    if timed["measured"]:
+        st.metrics[f"{prefix}graph_equal_eager"] = bits["graph_equal_eager"]
+        for env, e in timed["envelopes"].items():
+            st.metrics[f"{prefix}{env}_a_median_us"] = e["A"]["median_us"]
+            st.metrics[f"{prefix}{env}_b_median_us"] = e["B"]["median_us"]
+            st.metrics[f"{prefix}{env}_b_over_a"] = e["ratio_b_over_a"]
+    return {"name": doc["name"], "factory": doc["factory"], "verdict": doc["verdict"],
+            "verdict_reason": doc["verdict_reason"], "skipped": doc["skipped"], "inputs": bits and bits["inputs"],
+            "all_outputs_equal": bits and bits["all_outputs_equal"], "files": f}
+
+
 def run(evidence: Path, ckpt: Path | None = None) -> dict:
+    """Every screen of the campaign; returns the built-in screen's document (overlap/screen.json)."""
     config = read_config(evidence / "config.yaml")
     cfg = config["overlap"]
+    own = config.get("screens") or []
     device = resolve_device(config["device"])
     cuda = device.startswith("cuda")
     with Stage(evidence, "overlap", params={"device": device}) as st:
@@ -275,48 +381,35 @@ def run(evidence: Path, ckpt: Path | None = None) -> dict:
             record, weights = layer_weights(ckpt, config["checkpoint"]["config"], config["dtype"])
             shapes = {**shapes, "weights": record, "dtype": config["dtype"],
                       "segment_dtypes": [config["dtype"]] * len(shapes["segments"])}
-        if shapes is None:
+        builtin = {"name": screens.BUILTIN, "module": screens.BUILTIN_FACTORY}
+        factories = [] if shapes is None else [(builtin, builtin_factory(shapes, device, weights))]
+        if own and not cuda:
+            require_interpreter("the campaign's screens")  # before their modules import Triton
+        factories += [(e, screens.load(e["module"])) for e in own]
+        made = {e["name"]: make(e["name"], e["module"], f, device) for e, f in factories}  # all, before any work
+        if not made:
             st.skip(SKIP_REASON)
-            bits, rows = None, []
-            timed = {"measured": False, "reason": SKIP_REASON, "envelopes": None}
-            verdict, reason = "not_measured", SKIP_REASON
         else:
             st.params.update({"inputs": cfg["inputs"], "trials": cfg["trials"] if cuda else 0,
-                              "warmup": cfg["warmup"] if cuda else 0, "shape_source": shapes["source"],
+                              "warmup": cfg["warmup"] if cuda else 0})
+        if shapes is not None:
+            st.params.update({"shape_source": shapes["source"],
                               **{k: shapes[k] for k in ("K", "segments", "segment_dtypes", "gemm_n", "dtype")}})
-            bits, timed, rows = measure(shapes, cfg, device, weights)
-            verdict, reason = overall_verdict(bits["inputs"], bits["all_outputs_equal"], timed["envelopes"],
-                                              timed["reason"])
-        screen = {
-            "device": device,
-            "gpu": torch.cuda.get_device_name() if cuda else None,
-            "skipped": None if shapes else SKIP_REASON,
-            "shapes": shapes,
-            "variants": DESCRIPTION,
-            "bitwise": bits,
-            "timing": timed,
-            "timings_csv": "one row per timed replay" if rows else "header only: timing not measured",
-            "verdict": verdict,
-            "verdict_reason": reason,
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton_interpret": not cuda,
-                         "triton": sys.modules["triton"].__version__ if shapes else None},  # imported with the kernels
-        }
-        st.write_json("overlap/screen.json", screen)
-        st.add_file(write_text(evidence / "overlap/timings.csv",
-                               CSV_HEADER + "".join(f"{e},{b},{t},{v},{us:.4f}\n" for e, b, t, v, us in rows)))
-        st.add_file(plot(screen, rows, evidence / "plots/overlap.png"))
+        if own:
+            st.params["screens"] = ",".join(e["name"] for e in own)
+        common = {"device": device, "gpu": torch.cuda.get_device_name() if cuda else None,
+                  "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "triton_interpret": not cuda,
+                               "triton": getattr(sys.modules.get("triton"), "__version__", None)}}  # if imported
+        docs, entries = {}, []
+        for e in [builtin] + own:
+            docs[e["name"]], rows = screen_doc(e, made.get(e["name"]), shapes, cfg, device, common)
+            entries.append(write_screen(st, evidence, docs[e["name"]], rows))
+        verdict, reason = stage_verdict(entries)
+        if own:  # without screens of its own the built-in's screen.json is the stage's, as it always was
+            st.write_json(screens.INDEX, {"verdict": verdict, "reason": reason, "screens": entries})
+            print(f"[overlap] stage verdict {verdict}: {reason}", flush=True)
         st.tags["overlap.verdict"] = verdict
-        if bits:
-            st.metrics["bitwise_inputs"] = bits["inputs"]
-            st.metrics["bitwise_equal"] = bits["all_outputs_equal"]
-        if timed["measured"]:
-            st.metrics["graph_equal_eager"] = bits["graph_equal_eager"]
-            for env, e in timed["envelopes"].items():
-                st.metrics[f"{env}_a_median_us"] = e["A"]["median_us"]
-                st.metrics[f"{env}_b_median_us"] = e["B"]["median_us"]
-                st.metrics[f"{env}_b_over_a"] = e["ratio_b_over_a"]
-        print(f"[overlap] verdict {verdict}: {reason}", flush=True)
-    return screen
+    return docs[screens.BUILTIN]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         run(args.evidence, args.checkpoint)
-    except (ValueError, RuntimeError, benchstats.BenchError) as e:
+    except (ValueError, RuntimeError, benchstats.BenchError) as e:  # ScreenError, FactoryError are ValueErrors
         sys.exit(f"[overlap] error: {e}")
 
 
