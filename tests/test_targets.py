@@ -10,6 +10,7 @@ import contextlib
 import copy
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,18 @@ def test_the_evidence_config_records_no_url_and_no_absolute_path():
     recorded = yaml.safe_dump(evidence_config(cfg))
     assert "secret" not in recorded and "10.0.0.1" not in recorded and "/home/someone" not in recorded
     assert "<path>/eng#" in recorded and "--in {request} {out}" in recorded
+
+
+def test_summary_shows_each_target_with_its_verdict_and_level(served, shared):
+    from workflow.summary import parity_section
+
+    oracle = copy.deepcopy(shared[3])
+    oracle["cases"] = oracle["cases"][:1]
+    token = read_json(shared[2] / "parity/engine-served-b1.json")
+    token["cases"] = token["cases"][:1]
+    text = text_run(oracle, [oracle["cases"][0]["served_text"]])
+    lines = re.sub(" +", " ", "\n".join(parity_section(compare.compare(oracle, [token, text]), "float32", PARITY["top_k"])))
+    assert "| engine-served | openai, token level | 1 | 1/1 exact |" in lines
+    assert "| t | openai, text level | 1 | 0/1 exact | — (text level: no log-probs) |" in lines
+    assert "| `engine-served` | openai | token | float32 | `all_token_text_exact` |" in lines
+    assert "| `t` | openai | text | float32 | `text_only` | logic: text level: no log-probs;" in lines

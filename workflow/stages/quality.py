@@ -102,8 +102,8 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
     q = config["quality"]
     cfg = q["gsm8k"]
     device = environment.resolve_device(config["device"])
-    targets = q["targets"]
-    names = [target_name(t) for t in targets]
+    chosen = q["targets"]
+    names = [target_name(t) for t in chosen]
     if q["reference"] not in names:
         raise ValueError(f"quality.reference {q['reference']!r} is not one of quality.targets {names}")
     params = {"targets": names, "reference": q["reference"], "tolerance": q["tolerance"],
@@ -133,7 +133,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             print(f"[quality] {msg}", flush=True)
 
         results, rows_of = {}, {}
-        for t in targets:
+        for t in chosen:
             name = target_name(t)
             t0 = time.perf_counter()
             if t == "hf":
