@@ -260,3 +260,32 @@ def test_summary_shows_each_target_with_its_verdict_and_level(served, shared):
     assert "| t | openai, text level | 1 | 0/1 exact | — (text level: no log-probs) |" in lines
     assert "| `engine-served` | openai | token | float32 | `all_token_text_exact` |" in lines
     assert "| `t` | openai | text | float32 | `text_only` | logic: text level: no log-probs;" in lines
+
+
+def test_a_served_process_is_polled_until_ready_and_always_stopped(tmp_path):
+    import sys
+    import urllib.request
+
+    port = targets.free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with targets.served(argv, port, tmp_path / "logs/a.log", "a test server", ready="/") as (base, _):
+            assert base == f"http://127.0.0.1:{port}/v1" and urllib.request.urlopen(f"http://127.0.0.1:{port}/").status == 200
+            raise RuntimeError("boom")  # a stage that fails: its server is stopped all the same
+    assert targets.port_free(port)
+    with pytest.raises(targets.TargetError, match=r"a test server exited with 3 before it was ready \(see logs/b.log\)"):
+        with targets.served([sys.executable, "-c", "raise SystemExit(3)"], port, tmp_path / "logs/b.log", "a test server"):
+            pass
+    with socket_on(port), pytest.raises(targets.TargetError, match=f"port {port} of 127.0.0.1 is in use"):
+        with targets.served(argv, port, tmp_path / "logs/c.log", "a test server"):
+            pass
+
+
+@contextlib.contextmanager
+def socket_on(port: int):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        yield

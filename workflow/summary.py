@@ -192,6 +192,10 @@ def parity_claims(oracle: dict | None, comparison: dict | None, config: dict, en
         f"within {comparison['logic_tolerance']:g} nats on every top-{top_k} log-prob of every "
         "position, every path and batch listed. It sees wrong maths (a constant, a mask, a routing choice); it does not "
         "see low-precision arithmetic (the float32 run takes the same kernels in float32) nor anything past the traces.",
+        *([f"- Engine targets ({', '.join(f'`{n}`' for n in comparison['targets'])}) are held to the same oracle at the "
+           "level listed: `token` compares ids as the engine's are; `text` compares completions as text only, and says "
+           "nothing of the tokens behind them. Checks a target could not take are listed, never counted as passed."]
+          if comparison.get("targets") else []),
         *([f"- The precision check holds the engine's {config['dtype']} error against the float32 oracle to at most "
            f"{comparison['precision_bound']:g}x transformers' own in {config['dtype']}, pooled over each cell's cases. "
            "It sees a reduction or norm done in the low dtype; it bounds no single position"

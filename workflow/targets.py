@@ -163,7 +163,10 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:port (connections closed a moment ago, in TIME_WAIT, do not count: servers bind
+    with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -196,9 +199,9 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
                 if proc.poll() is not None:
                     raise TargetError(f"{what} exited with {proc.returncode} before it was ready ({_where(log)})")
                 try:
-                    Client(root).get(ready, 2)
-                    break
-                except (OSError, ValueError, TargetError):
+                    with urllib.request.urlopen(f"{root}{ready}", timeout=2):  # any 2xx: an error status raises
+                        break
+                except OSError:  # refused, reset, an error status (HTTPError), a timeout
                     if time.perf_counter() - t0 > READY_TIMEOUT_S:
                         raise TargetError(f"{what} was not ready within {READY_TIMEOUT_S}s ({_where(log)})") from None
                     time.sleep(0.2)

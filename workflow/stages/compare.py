@@ -16,6 +16,10 @@ name: `precision_regression` where that fails (bf16 rounding parts traces even a
 stays `engine_accuracy_gap`. Rows of a batch must agree in the forced runs too. Separately, the two
 expert-parallel transports must agree token for token (`transport_regression` otherwise). The worst verdict over
 all cells is the campaign's.
+
+Engine targets (`engines:`, parity/<name>-b<B>.json) go through the same path at token level, their forced checks
+where their forced run is in a dtype a check uses (`target_checks`: what is not checked, and why, is recorded under
+`targets`); at text level through `text_case`.
 """
 
 from __future__ import annotations
@@ -298,14 +302,10 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
                           "verdict": "precision_regression", "first_divergence": figures})
     cells += transport_cells([r for r in runs if not r.get("target")])
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
-    engines = {}
-    for run in runs:
-        if t := run.get("target"):
-            mine = [c["verdict"] for c in cells if c.get("target") == t["name"]]
-            prev = engines.get(t["name"], {}).get("verdict")
-            engines[t["name"]] = {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
-                                  "verdict": worst_verdict(mine + ([prev] if prev else [])),
-                                  "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}
+    engines = {t["name"]: {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
+                           "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),
+                           "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}
+               for t in (r["target"] for r in runs if r.get("target"))}
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],
