@@ -286,6 +286,30 @@ def socket_on(port: int):
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the last server's TIME_WAIT
         s.bind(("127.0.0.1", port))
         s.listen()
         yield
+
+
+def test_quality_runs_an_engines_entry_by_name(shared, tmp_path):
+    """The quality stage takes an `engines:` entry by its name (here a serve target, started and stopped as the
+    stage's own engine server is): on random weights the engine served twice must give identical completions."""
+    from workflow.evidence import write_text
+    from workflow.stages import checkpoint as record_stage
+    from workflow.stages import quality
+
+    root, ckpt, _, _ = shared
+    spec = {"name": "served", "kind": "openai", "serve": {"command": SERVE}}
+    cfg = tinyev.config(engines=[spec], quality={
+        "targets": ["engine", "served"], "reference": "engine", "advisory": True,
+        "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}})
+    ev = tmp_path / "ev"
+    write_text(ev / "config.yaml", yaml.safe_dump(cfg))
+    record_stage.record(ckpt, ev)
+    with engine_on_path(root, None):
+        doc = quality.run(ckpt, ev, engines={"served": spec})
+    g = doc["gates"][0]
+    assert (g["candidate"], g["same_completion"], g["rows"]) == ("served", 2, 2), g  # no_claim: no valid answer
+    assert (ev / "logs/quality-served-server.log").is_file() and (ev / "logs/quality-engine-server.log").is_file()
+    assert "served" in read_json(ev / "quality/gsm8k-served.json")["implementation"]

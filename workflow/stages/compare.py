@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
                              tol, bound)
             st.write_json("parity/comparison.json", result)
             st.tags[gates.PARITY.tag] = result["verdict"]
+            for name, t in result["targets"].items():  # each engine target's own, in MLflow too
+                st.tags[f"parity.target.{name}"] = f"{t['verdict']} ({t['level']} level)"
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
             st.metrics["cells"] = len(result["cells"])
             st.params["near_tie_margin"] = result["near_tie_margin"]  # as configured, or measured
