@@ -100,14 +100,14 @@ def endpoint_name(name: str) -> str:
 
 @contextlib.contextmanager
 def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
-    """The quality stage's engine server (quality.engine_server) of a scratch copy of the engine with mutant
+    """The engine server (targets.engine_server) of a scratch copy of the engine with mutant
     `name`, an endpoint target for the quality gate: yields its base URL ending in /v1; always stopped. Its log
     is root/logs/serve.log."""
-    from workflow.stages import quality
+    from workflow import targets
 
     src = scratch(root, name)
     path = [str(src), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    with quality.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src,
+    with targets.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}) as (url, _):
         yield url
 

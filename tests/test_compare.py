@@ -16,7 +16,7 @@ from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.logprobs import REFERENCE_DTYPE as F32
 from workflow.stages import compare as cmp
 from workflow.stages.compare import HashMismatch, check_hashes, compare
-from workflow.stages.parity import first_row_mismatch
+from workflow.traces import first_row_mismatch
 from workflow.verdicts import SEVERITY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -281,6 +281,38 @@ def test_parity_covers_the_triton_decode_path(tmp_path):
     assert json.loads((ev / "stages/parity-single-triton.json").read_text())["params"]["kernels"] == "triton"
 
 
+def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(tmp_path):
+    """`engines:` (README "Engine targets"): a running OpenAI-compatible server's URL (the engine's own, on a
+    checkpoint written from the same spec: the same bytes) and a command, beside the builtin engine, in one run:
+    each its parity run held to the oracle, the URL a quality target too, sealed with each verdict and level."""
+    from workflow import checkpoints, targets
+
+    spec = tinyev.synthetic()
+    ckpt = tmp_path / "served-ckpt"
+    checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], "float32")
+    command = f"{{python}} {REPO / 'tests/command_engine.py'} --checkpoint {{checkpoint}} --dtype {{dtype}} {{request}} {{out}}"
+    with targets.engine_server(ckpt, "cpu", "float32", tmp_path / "logs/served.log") as (url, _):
+        cfg = campaign(tmp_path, **{"stages": ["parity", "quality"], "parity.batch_sizes": [1, 2],
+                                    "engines": [{"name": "remote", "kind": "openai", "url": url},
+                                                {"name": "mine", "kind": "command", "command": command}],
+                                    "quality.targets": ["hf", "remote"]})
+        r = snakemake(tmp_path / "wd", "--configfile", str(cfg))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ev = only_evidence_dir(tmp_path / "wd", "e2e")
+    comparison = json.loads((ev / "parity/comparison.json").read_text())
+    assert {n: (t["level"], t["verdict"]) for n, t in comparison["targets"].items()} == {
+        "remote": ("token", "all_token_text_exact"), "mine": ("token", "all_token_text_exact")}
+    assert comparison["verdict"] == "all_token_text_exact"
+    assert {c["backend"] for c in comparison["cells"]} == {"single", "remote", "mine"}
+    assert (ev / "quality/gsm8k-remote.json").is_file()
+    summary = (ev / "SUMMARY.md").read_text()
+    assert "`remote` (openai, token level)" in summary and "Engine targets" in summary
+    assert url.split("//")[1] not in (ev / "config.yaml").read_text()  # a hash of the URL only
+    gate = json.loads(next((tmp_path / "wd/.evident/gates/e2e").glob("*.json")).read_text())
+    assert gate["parity_targets"] == {"remote": {"verdict": "all_token_text_exact", "level": "token"},
+                                      "mine": {"verdict": "all_token_text_exact", "level": "token"}}
+
+
 V4 = yaml.safe_load((REPO / "config/campaigns/v4-tiny.yaml").read_text())
 
 

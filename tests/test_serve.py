@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     spec = cfg["checkpoint"]
     ckpt = tmp_path_factory.mktemp("serve") / "ckpt"
     checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], "float32")
-    from workflow.stages.quality import free_port
+    from workflow.targets import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt), "--port", str(port)],
@@ -329,7 +329,7 @@ def test_top_logprobs_keep_k_entries_across_a_multi_byte_character(client, engin
 def live(eng):
     """The app over ``eng`` on a free port, in this process (so that its engine can be instrumented)."""
     import uvicorn
-    from workflow.stages.quality import free_port
+    from workflow.targets import free_port
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(serve.create_app(eng), host="127.0.0.1", port=port, log_level="warning"))

@@ -20,7 +20,7 @@ from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
 
 from engine.config import V4, ModelArgs, V4Args, args_from_hf
-from workflow import checkpoints, estimate, runs, screens
+from workflow import checkpoints, estimate, runs, screens, targets
 from workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
@@ -86,6 +86,8 @@ def validate_campaign(config: dict, schema: str) -> None:
         problems += check_inputs(config, model)
         problems += estimate.size_problems(config, model)
         problems += check_baseline(config, Path(schema).resolve().parents[1])
+    if not problems and not own_sealed(config, Path(schema).resolve().parents[1]):  # nothing runs: nothing to reach
+        problems += targets.reach_problems(config)
     if problems:
         raise WorkflowError(report(problems))
 
@@ -264,6 +266,16 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out.append(("quality.reference", f"{q['reference']!r} is not one of quality.targets {names}"))
     if len(set(names)) < len(names):
         out.append(("quality.targets", f"a target name appears twice: {names}"))
+    out += targets.problems(config)
+    engines = targets.by_name(config)
+    for i, t in enumerate(q["targets"]):
+        if isinstance(t, str) and t not in ("hf", "engine") and engines.get(t, {}).get("kind") != "openai":
+            out.append((f"quality.targets.{i}", f"{t!r} is neither hf, engine nor an `engines:` entry of kind openai"
+                        + (" (a command target runs parity only)" if t in engines else
+                           did_you_mean(t, ["hf", "engine", *engines]))))
+        elif isinstance(t, dict) and t["name"] in engines:
+            out.append((f"quality.targets.{i}.name", f"{t['name']!r} is an `engines:` entry's name too; name the entry "
+                                                      "alone (its url or serve command is used)"))
     o = config["overlap"]
     stated = [k for k in ("K", "segments", "gemm_n") if o[k] is not None]
     if stated and len(stated) < 3:
@@ -327,6 +339,24 @@ def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]
     return out
 
 
+def own_directory(config: dict, code_dir: Path) -> Path | None:
+    """The run's own evidence directory, its id derived as common.smk derives it; None while its campaign has none."""
+    from workflow import archive
+    from workflow.evidence import evidence_id, git_state
+
+    home = archive.ROOT / config["campaign"]
+    return home / evidence_id(git_state(code_dir), evidence_config(config), config["repeat"]) if home.is_dir() else None
+
+
+def own_sealed(config: dict, code_dir: Path) -> bool:
+    """Whether the run's own directory is sealed (then nothing runs and the gate only reads it). Asked only where it
+    matters: a campaign with an engine target's URL (a git call)."""
+    if not any("url" in e for e in config.get("engines", [])):
+        return False
+    own = own_directory(config, code_dir)
+    return own is not None and (own / MANIFEST).is_file()
+
+
 def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
     """bench.baseline must name a sealed directory now, resolved as the bench_report stage resolves it (which leaves
     out the run's own directory: its id is derived here as common.smk derives it)."""
@@ -334,13 +364,10 @@ def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
     if not ref:
         return []
     from workflow import archive
-    from workflow.evidence import evidence_id, git_state
 
-    home, own = archive.ROOT / config["campaign"], None
-    if home.is_dir():
-        own = home / evidence_id(git_state(code_dir), evidence_config(config), config["repeat"])
-        if (own / MANIFEST).is_file():
-            return []  # sealed: nothing runs, the gate only reads it
+    home, own = archive.ROOT / config["campaign"], own_directory(config, code_dir)
+    if own is not None and (own / MANIFEST).is_file():
+        return []  # sealed: nothing runs, the gate only reads it
     try:
         archive.resolve(ref, archive.ROOT, campaign=config["campaign"], exclude=own, sealed=True)
     except (archive.NotFound, OSError, ValueError) as e:
@@ -409,10 +436,23 @@ def evidence_config(config: dict) -> dict:
     for split in ("test", "train"):  # data files: the name and a hash of the path; the stage records their sha256
         if gsm.get(split):
             gsm[split] = _redact_path(gsm[split])
-    targets = out.get("quality", {}).get("targets", [])
-    for t in targets:  # an endpoint URL may carry a host or credentials
-        if isinstance(t, dict) and t.get("url"):
+    for t in [*out.get("quality", {}).get("targets", []), *out.get("engines", [])]:
+        if isinstance(t, dict) and t.get("url"):  # an endpoint URL may carry a host or credentials
             t["url"] = f"<url>#{sha256_bytes(t['url'].encode())[:8]}"
     for e in out.get("screens") or []:  # the user's code is what a screen measures, as the project's own is
         e["source_sha256"] = screens.source_sha256(e["module"])
+    for e in out.get("engines", []):  # commands are recorded, each absolute path as its last part and a hash
+        for node, key in ((e, "command"), (e.get("serve") or {}, "command")):
+            if node.get(key):
+                node[key] = _redact_command(node[key])
     return out
+
+
+def _redact_command(template: str) -> str:
+    import shlex
+
+    try:
+        words = shlex.split(template)
+    except ValueError:  # refused by the campaign check; recorded as a hash meanwhile
+        return f"<command>#{sha256_bytes(template.encode())[:8]}"
+    return " ".join(_redact_path(w) if w.startswith("/") else w for w in words)  # a record, never run

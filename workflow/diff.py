@@ -129,7 +129,7 @@ def verdict_diff(a: Evidence, b: Evidence) -> list[dict]:
 
     def cells(ev):
         comp = as_dict(ev.read("parity/comparison.json"))
-        return {f"parity {run_name(str(c.get('backend')), str(c.get('kernels', 'torch')))} "
+        return {f"parity {c.get('target') or run_name(str(c.get('backend')), str(c.get('kernels', 'torch')))} "
                 f"b{c.get('batch')} {c.get('case')}": c.get("verdict")
                 for c in (comp.get("cells") if isinstance(comp.get("cells"), list) else []) if isinstance(c, dict)}
 

@@ -12,6 +12,12 @@ from workflow.verdicts import worst
 
 
 def _divergence(d: dict) -> str:
+    if "char" in d and "oracle_text" in d:  # a text-level target's text against the oracle's
+        margin = "n/a" if d["oracle_margin"] is None else f"{d['oracle_margin']:.3g}"
+        return (f"text, character {d['char']} (oracle step {d['step']}, margin {margin}): oracle {d['oracle_text']!r} "
+                f"vs target {d['target_text']!r}")
+    if "char" in d:
+        return f"text, row {d['row']} character {d['char']}: {d['row_text']!r} vs row 0 {d['row0_text']!r}"
     if "collective_token" in d:
         return f"step {d['step']}: host-staged {d['host_staged_token']} vs collective {d['collective_token']}"
     if "oracle_token" in d:
@@ -35,15 +41,18 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
         mine = [c for c in cells if (c["backend"], c["kernels"], c["batch"]) == (f["backend"], f["kernels"], f["batch"])]
         cases = [c for c in mine if c["case"] != "all"]
         lg, pr = f["logic"], f["precision"]
-        prec = ("n/a (float32)" if not pr["applies"] else
+        prec = (("n/a (float32)" if "target" not in f else f"n/a ({pr['reason']})") if not pr["applies"] else
                 f"{pr['engine']['mean']:.4f} / {pr['transformers']['mean']:.4f} = "
                 + ("—" if pr["ratio"] is None else f"**{pr['ratio']:.3f}**")
                 + f" (cases {', '.join(f'{v:.2f}' for v in pr['case_ratios'].values() if v is not None)})")
         top1 = (f"{lg['top1_agreement']:.2f}" if lg else "—") + (
             f" / {pr['engine']['top1_agreement']:.2f} vs {pr['transformers']['top1_agreement']:.2f}" if pr["applies"] else "")
-        rows.append([f["backend"], f["kernels"], f["batch"],
+        logic = "—" if lg is None else f"{lg['max']:.2g}"
+        if lg is None and "logic" in f.get("not_checked", {}):
+            logic = f"— ({f['not_checked']['logic']})"
+        rows.append([f["backend"], f["kernels"] + (f", {f['level']} level" if "target" in f else ""), f["batch"],
                      f"{sum(c['verdict'] == 'all_token_text_exact' for c in cases)}/{len(cases)} exact",
-                     "—" if lg is None else f"{lg['max']:.2g}", prec, top1, f"`{worst(c['verdict'] for c in mine)}`"])
+                     logic, prec, top1, f"`{worst(c['verdict'] for c in mine)}`"])
     transport: dict[tuple, list[str]] = {}
     for c in cells:
         if c["backend"] == "host-staged vs collective":
@@ -75,7 +84,19 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
     ]
     if seen:
         out += ["First divergences:", "", *[f"- {d} ({', '.join(w)})" for d, w in seen.items()], ""]
-    return out
+    return out + targets_lines(comparison.get("targets") or {})
+
+
+def targets_lines(engines: dict) -> list[str]:
+    """The engine targets of `engines:`: each one's verdict, the level it was compared at, what was not checked."""
+    if not engines:
+        return []
+    return ["Engine targets (`engines:`; a `text` level compares completions as text only: `text_only` is never "
+            "exact):", "",
+            markdown(["target", "kind", "level", "forced dtype", "verdict", "not checked"],
+                     [[f"`{n}`", t["kind"], t["level"], t["dtype"], f"`{t['verdict']}`",
+                       "; ".join(f"{k}: {v}" for k, v in t["not_checked"].items()) or "—"] for n, t in engines.items()]),
+            ""]
 
 
 def render(evidence_dir: str | Path, git: dict) -> str:
@@ -133,7 +154,9 @@ def parity_headline(oracle: dict | None, comparison: dict | None, config: dict) 
         return []
     # "transformers.DeepseekV2ForCausalLM (native, eager)" -> DeepseekV2
     family = oracle["implementation"].split()[0].split(".")[-1].removesuffix("ForCausalLM")
-    return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`) against the Hugging Face "
+    engines = comparison.get("targets") or {}
+    also = "".join(f", `{n}` ({t['kind']}, {t['level']} level)" for n, t in engines.items())
+    return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`){also} against the Hugging Face "
             f"transformers {family} oracle, greedy decoding, {len(config['cases'])} cases.", ""]
 
 
@@ -169,6 +192,10 @@ def parity_claims(oracle: dict | None, comparison: dict | None, config: dict, en
         f"within {comparison['logic_tolerance']:g} nats on every top-{top_k} log-prob of every "
         "position, every path and batch listed. It sees wrong maths (a constant, a mask, a routing choice); it does not "
         "see low-precision arithmetic (the float32 run takes the same kernels in float32) nor anything past the traces.",
+        *([f"- Engine targets ({', '.join(f'`{n}`' for n in comparison['targets'])}) are held to the same oracle at the "
+           "level listed: `token` compares ids as the engine's are; `text` compares completions as text only, and says "
+           "nothing of the tokens behind them. Checks a target could not take are listed, never counted as passed."]
+          if comparison.get("targets") else []),
         *([f"- The precision check holds the engine's {config['dtype']} error against the float32 oracle to at most "
            f"{comparison['precision_bound']:g}x transformers' own in {config['dtype']}, pooled over each cell's cases. "
            "It sees low-precision arithmetic that raises the error beyond that bound, not a smaller loss (the README's "

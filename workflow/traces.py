@@ -15,6 +15,19 @@ def token_at(trace: list[int], step: int) -> int | None:
     return trace[step] if step < len(trace) else None
 
 
+def first_row_mismatch(rows: list) -> dict | None:
+    """Where the first row of a same-prompt batch that is not row 0's parts from it: rows of token ids (`step`, both
+    tokens) or of text (`char`, both texts from there)."""
+    for r, row in enumerate(rows[1:], 1):
+        at = first_difference(rows[0], row)
+        if at is None:
+            continue
+        if isinstance(row, str):
+            return {"row": r, "char": at, "row0_text": rows[0][at:at + 24], "row_text": row[at:at + 24]}
+        return {"row": r, "step": at, "row0_token": token_at(rows[0], at), "row_token": token_at(row, at)}
+    return None
+
+
 def markdown(header: list[str], rows: list[list]) -> str:
     """A GitHub markdown table (pull-request summaries)."""
     from tabulate import tabulate

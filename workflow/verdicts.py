@@ -1,9 +1,14 @@
-"""The parity verdicts, mildest first (the worst cell's is the campaign's), and those that fail the run."""
+"""The parity verdicts, mildest first (the worst cell's is the campaign's), and those that fail the run.
 
-SEVERITY = ["all_token_text_exact", "near_tie_divergence", "precision_regression", "engine_accuracy_gap",
+`text_only`: a target compared at text level only (its server took or returned no token ids) whose text equals the
+oracle's: weaker than a token comparison, never counted as exact, not a defect (`parity.require_exact` fails it);
+a text-level target whose text differs gets the margin rule's verdict, as a token-level one does.
+"""
+
+SEVERITY = ["all_token_text_exact", "text_only", "near_tie_divergence", "precision_regression", "engine_accuracy_gap",
             "transport_regression", "batch_row_mismatch"]
-# what the gate fails the run on after sealing; `parity.require_exact` adds near_tie_divergence
-DEFECTS = SEVERITY[2:]
+# what the gate fails the run on after sealing; `parity.require_exact` adds the milder ones but exact
+DEFECTS = SEVERITY[SEVERITY.index("precision_regression"):]
 
 
 def worst(verdicts) -> str:

@@ -1,9 +1,11 @@
 # Shared values: the evidence id is derived from the code (git) and the resolved config.
 import json
 import os
+import re
+import shlex
 import sys
 
-from workflow import gpus, gsm8k, runs, screens
+from workflow import gpus, gsm8k, runs, screens, targets
 from workflow.campaign import evidence_config
 from workflow.estimate import cache_dir
 from workflow.evidence import evidence_id, git_state
@@ -85,7 +87,10 @@ def checkpoint_dir():
 
 CKPT = checkpoint_dir()
 PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
-PARITY = [f"{E}/parity/{r}-b{n}.json" for r in PARITY_RUNS for n in config["parity"]["batch_sizes"]]
+# the `engines:` entries as given (their URLs and commands travel on the command line; the evidence config records a
+# hash of each URL and the commands with their paths redacted): parity runs each (parity_target), quality the named
+TARGETS = targets.by_name(config)
+PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *TARGETS] for n in config["parity"]["batch_sizes"]]
 BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
 
 
@@ -146,6 +151,11 @@ if USES_GPU and workflow.is_main_process:  # the local pool: the first N visible
               "GPU jobs wait for a free device", file=sys.stderr)
 
 
+def target_gpus(wildcards):
+    """GPUs of an engine target's parity run: one where it runs an engine here (a serve or command target)."""
+    return 0 if "url" in TARGETS[wildcards.target] else 1
+
+
 def engine_gpus(wildcards):
     """GPUs of an engine run (parity, bench): one per rank."""
     return 1 if wildcards.backend in runs.ONE_PROCESS else config["parallel"]["ep_size"]
@@ -181,6 +191,8 @@ def quality_args(wildcards):
     if g["source"] == "local":
         args += [f"--test '{g['test']}'" if g["test"] else "", f"--train '{g['train']}'" if g["train"] else ""]
     args += [f"--endpoint '{t['name']}={t['url']}'" for t in q["targets"] if isinstance(t, dict)]
+    if named := [TARGETS[t] for t in q["targets"] if t in TARGETS]:
+        args.append(f"--engines {shlex.quote(json.dumps(named))}")
     return " ".join(a for a in args if a)
 
 

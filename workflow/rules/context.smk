@@ -9,7 +9,8 @@ rule context:
     params:
         py=on_gpus(CAMPAIGN_GPUS),
         ev=evidence_dir,
-        config=CONFIG_JSON,
+        # a function: an `engines:` template's {placeholders} are not wildcards
+        config=lambda wildcards: CONFIG_JSON,
     log:
         f"{E}/logs/context.log",
     benchmark:

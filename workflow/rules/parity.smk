@@ -26,3 +26,32 @@ rule parity:
     shell:
         "{params.launch} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
+
+
+# An engine target of `engines:` (workflow/targets.py) on the same cases, each its own job: its server (a url, or its
+# serve command started and stopped by the stage) or its command; compare.smk holds it to the oracle with the rest.
+rule parity_target:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+        oracle=rules.oracle.output,
+    output:
+        [f"{E}/parity/{{target}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
+    wildcard_constraints:
+        target="|".join(map(re.escape, TARGETS)) or "(?!)",
+    # the stage waits on its target; a served or command target is a second process, holding the GPU on a GPU campaign
+    threads: 1
+    resources:
+        **job_resources(gpu=target_gpus),
+    params:
+        py=lambda wildcards: on_gpus(target_gpus(wildcards)),
+        ev=evidence_dir,
+        spec=lambda wildcards: shlex.quote(json.dumps(TARGETS[wildcards.target])),
+        batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
+    log:
+        f"{E}/logs/parity-{{target}}.log",
+    benchmark:
+        f"{E}/logs/parity-{{target}}.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.parity_target --checkpoint {input.ckpt} --evidence {params.ev} "
+        "--spec {params.spec} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"

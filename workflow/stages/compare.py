@@ -16,6 +16,10 @@ name: `precision_regression` where that fails (bf16 rounding parts traces even a
 stays `engine_accuracy_gap`. Rows of a batch must agree in the forced runs too. Separately, the two
 expert-parallel transports must agree token for token (`transport_regression` otherwise). The worst verdict over
 all cells is the campaign's.
+
+Engine targets (`engines:`, parity/<name>-b<B>.json) go through the same path at token level, their forced checks
+where their forced run is in a dtype a check uses (`target_checks`: what is not checked, and why, is recorded under
+`targets`); at text level through `text_case`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from workflow.evidence import Stage, read_config, read_json, text_sha256, token_
 from workflow.logprobs import REFERENCE_DTYPE
 from workflow.runs import EP_BACKENDS, label as run_label
 from workflow.traces import first_difference, token_at
-from workflow.verdicts import SEVERITY
+from workflow.verdicts import SEVERITY, worst as worst_verdict
 
 # Below these top-1/top-2 margins two correct implementations may pick different tokens: the floor of
 # `near_tie_margin`. For bf16, 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the
@@ -51,8 +55,9 @@ class HashMismatch(ValueError):
 
 
 def check_hashes(where: str, entry: dict) -> None:
-    ids, text = entry["generated_ids"], entry["text"]
-    if entry["token_sha256"] != token_sha256(ids):
+    """The stored hashes of a row (a text-level target's rows have text only)."""
+    ids, text = entry.get("generated_ids"), entry["text"]
+    if ids is not None and entry["token_sha256"] != token_sha256(ids):
         raise HashMismatch(f"{where}: stored token_sha256 does not match its ids")
     if entry["text_sha256"] != text_sha256(text):
         raise HashMismatch(f"{where}: stored text_sha256 does not match its text")
@@ -90,6 +95,27 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
            "engine_token": token_at(got, step), "oracle_margin": margin}
     verdict = "near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"
     return verdict, div
+
+
+def text_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | None]:
+    """A text-level target's case (its server took or returned no token ids): rows must agree, then row 0's text
+    against the oracle's completion as a server returns it (oracle `served_text`). Equal is `text_only`: weaker than
+    a token comparison and never exact. Else the first differing character lies in one of the oracle's tokens
+    (`served_text_ends`), and the margin rule of compare_case decides at that step."""
+    if "served_text" not in oracle:
+        raise HashMismatch(f"case {case['name']}: oracle/hf.json has no served_text (an older oracle); run it again")
+    if not case["rows_identical"]:
+        return "batch_row_mismatch", {"case": case["name"], "level": "text", **case["first_row_mismatch"]}
+    want, got = oracle["served_text"], case["rows"][0]["text"]
+    if want == got:
+        return "text_only", None
+    char = first_difference(want, got)
+    step = next((i for i, end in enumerate(oracle["served_text_ends"]) if end > char), len(oracle["generated_ids"]))
+    margin = token_at(oracle["margins"], step)
+    div = {"case": case["name"], "row": 0, "level": "text", "char": char, "step": step,
+           "oracle_text": want[char:char + 24], "target_text": got[char:char + 24],
+           "oracle_token": token_at(oracle["generated_ids"], step), "oracle_margin": margin}
+    return ("near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"), div
 
 
 def _position(oracle: dict, p: int) -> dict:
@@ -140,13 +166,16 @@ def logic_check(oracle: dict, case: dict, rows: list[dict], tol: float) -> dict:
     return {**out, "pass": True}
 
 
-def check_forced(oracle: dict, case: dict, dtypes: list[str], rows: list[dict], tol: float) -> tuple[
+def check_forced(oracle: dict, case: dict, dtypes: list[str], rows: list[dict] | None, tol: float) -> tuple[
         str | None, dict | None, dict | None]:
     """One case's forced runs: (failing verdict or None, its detail, the logic check of the float32 rows' errors
-    `rows`). Rows of the batch must agree in every dtype's run; then the float32 run must stay within tol."""
+    `rows`). Rows of the batch must agree in every dtype's run; then the float32 run must stay within tol (no
+    float32 run, `rows` None: a target that gave none, no logic check)."""
     for d in dtypes:
         if (m := forced_row_mismatch(oracle, case, d, tol)) is not None:
             return "batch_row_mismatch", m, None
+    if rows is None:
+        return None, None, None
     logic = logic_check(oracle, case, rows, tol)
     return None if logic["pass"] else "engine_accuracy_gap", logic["first_out"], logic
 
@@ -175,8 +204,29 @@ def kernels_of(run: dict) -> str:
 
 
 def label(run: dict) -> str:
-    """As the run's file is named: parity/<label>.json."""
+    """As the run's file is named: parity/<label>.json (a target's: <name>-b<B>)."""
+    if run.get("target"):
+        return f"{run['backend']}-b{run['batch']}"
     return run_label(run["backend"], kernels_of(run), run["batch"])
+
+
+def target_checks(run: dict, dtypes: list[str], campaign: str) -> tuple[list[str], dict[str, str]]:
+    """A target's forced dtypes the checks can use (those every case has, of the campaign's and float32), and why
+    each check that cannot run does not."""
+    t, why = run["target"], {}
+    if t["level"] == "text":
+        return [], {"logic": "text level: no log-probs", "precision": "text level: no log-probs"}
+    have = [d for d in dtypes if all(d in c.get("forced", {}) for c in run["cases"])]
+    if not any(c.get("forced") for c in run["cases"]):
+        gave = "its server echoes no prompt log-probs" if t["kind"] == "openai" else "its trace has no forced_rows"
+        why = {"logic": f"no teacher-forced run ({gave})", "precision": f"no teacher-forced run ({gave})"}
+    elif REFERENCE_DTYPE not in have:
+        why["logic"] = f"its forced run is in {t['dtype']}, not float32"
+    if campaign == REFERENCE_DTYPE:
+        why.setdefault("precision", "a float32 campaign: the logic check is its precision check")
+    elif campaign not in have:
+        why.setdefault("precision", f"its forced run is in {t['dtype']}, not the campaign's {campaign}")
+    return have, why
 
 
 def transport_cells(runs: list[dict]) -> list[dict]:
@@ -213,26 +263,33 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
         names = sorted(c["name"] for c in run["cases"])
         if names != sorted(by_name):
             raise HashMismatch(f"{label(run)}: cases {names} differ from the oracle's {sorted(by_name)}")
+        target = run.get("target")
+        have, not_checked = target_checks(run, dtypes, oracle["dtype"]) if target else (dtypes, {})
+        level = target["level"] if target else "token"
         logic, engine, start = [], {}, len(cells)
         for case in run["cases"]:
             o, where = by_name[case["name"]], f"{label(run)} case {case['name']}"
             for r, row in enumerate(case["rows"]):
                 check_hashes(f"{where} row {r}", row)
-            errs = {d: forced_rows(o, case, d, where) for d in dtypes}  # present even where not decisive
-            engine[case["name"]] = errs[oracle["dtype"]]
-            verdict, div = compare_case(o, case, margin)
+            errs = {d: forced_rows(o, case, d, where) for d in have}  # present even where not decisive
+            if oracle["dtype"] in errs:
+                engine[case["name"]] = errs[oracle["dtype"]]
+            verdict, div = text_case(o, case, margin) if level == "text" else compare_case(o, case, margin)
             checked = None
-            if verdict != "batch_row_mismatch":  # the forced checks decide unless the free run is already worse
-                bad, detail, checked = check_forced(o, case, dtypes, errs[REFERENCE_DTYPE], logic_tolerance)
-                logic += errs[REFERENCE_DTYPE]
+            if verdict != "batch_row_mismatch" and level == "token":  # the forced checks decide unless already worse
+                bad, detail, checked = check_forced(o, case, have, errs.get(REFERENCE_DTYPE), logic_tolerance)
+                logic += errs.get(REFERENCE_DTYPE, [])
                 if bad is not None and SEVERITY.index(bad) > SEVERITY.index(verdict):
                     verdict, div = bad, detail
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
-                          "verdict": verdict, "first_divergence": div, "logic": checked})
-        precision = precision_check(oracle, engine, transformers, precision_bound)
+                          "verdict": verdict, "first_divergence": div, "logic": checked,
+                          **({"target": run["backend"], "level": level} if target else {})})
+        precision = (precision_check(oracle, engine, transformers, precision_bound) if "precision" not in not_checked
+                     else {"applies": False, "reason": not_checked["precision"]})
         forced.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"],
                        "logic": {**logprobs.stats(logic), "tolerance": logic_tolerance} if logic else None,
-                       "precision": precision})
+                       "precision": precision,
+                       **({"target": run["backend"], "level": level, "not_checked": not_checked} if target else {})})
         if precision.get("pass") is False:
             figures = {"cell": label(run), "dtype": oracle["dtype"], "engine_mean": precision["engine"]["mean"],
                        "transformers_mean": precision["transformers"]["mean"], "ratio": precision["ratio"],
@@ -243,8 +300,12 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
                     c["verdict"], c["first_divergence"] = "precision_regression", {**c["first_divergence"], **figures}
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": "all",
                           "verdict": "precision_regression", "first_divergence": figures})
-    cells += transport_cells(runs)
+    cells += transport_cells([r for r in runs if not r.get("target")])
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
+    engines = {t["name"]: {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
+                           "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),
+                           "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}
+               for t in (r["target"] for r in runs if r.get("target"))}
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],
@@ -254,6 +315,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
         "precision_bound": precision_bound,
         "cells": cells,
         "forced": forced,
+        "targets": engines,
     }
 
 
@@ -275,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
             result = compare_parity(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], parity)
             st.write_json("parity/comparison.json", result)
             st.tags[gates.PARITY.tag] = result["verdict"]
+            for name, t in result["targets"].items():  # each engine target's own, in MLflow too
+                st.tags[f"parity.target.{name}"] = f"{t['verdict']} ({t['level']} level)"
             st.metrics["cells_exact"] = sum(c["verdict"] == "all_token_text_exact" for c in result["cells"])
             st.metrics["cells"] = len(result["cells"])
             st.params["near_tie_margin"] = result["near_tie_margin"]  # as configured, or measured

@@ -37,9 +37,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"[gate] parity.require_exact is set and the verdict is {parity}; {sealed}")
     verdicts = {g.name: docs[g.name]["verdict"] if g.name in docs else None for g in GATES}
     advisory = sorted(n for n, d in docs.items() if d.get("advisory") and d["verdict"] != "pass")
+    engines = {n: {"verdict": t["verdict"], "level": t["level"]}
+               for n, t in (docs.get(PARITY.name, {}).get("targets") or {}).items()}
     write_json(args.out, {"evidence": str(args.evidence), "verdicts": verdicts, "advisory": advisory,
-                          "not_run": [g.name for g in GATES if g.stage not in config.get("stages", STAGES)]})
+                          "not_run": [g.name for g in GATES if g.stage not in config.get("stages", STAGES)],
+                          "parity_targets": engines})
     print(f"[gate] {args.evidence}: " + ", ".join(f"{n} {v}" for n, v in verdicts.items() if v)
+          + "".join(f"; parity target {n} {t['verdict']} ({t['level']} level)" for n, t in engines.items())
           + "".join(f" ({n} advisory: not failing the run)" for n in advisory), flush=True)
 
 

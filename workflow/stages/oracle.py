@@ -40,8 +40,15 @@ def path_logits(model, ids: list[int], device: str) -> torch.Tensor:
     return model(torch.tensor([ids], device=device)).logits[0, :-1].float().cpu()
 
 
-def decode(tok, ids: list[int]) -> str:
-    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+def decode(tok, ids: list[int], skip_special_tokens: bool = False) -> str:
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def served(tok, ids: list[int]) -> dict:
+    """The completion as an OpenAI-compatible server returns it (special tokens skipped, EOS among them), and where
+    each token's text ends in it: what a text-level target is compared with (compare.text_case)."""
+    return {"served_text": decode(tok, ids, True), "served_text_ends": [len(decode(tok, ids[:i + 1], True))
+                                                                        for i in range(len(ids))]}
 
 
 @torch.inference_mode()
@@ -64,6 +71,7 @@ def run_case(tok, model, case: dict, device: str) -> dict:
         "text": text,
         "token_sha256": token_sha256(ids),
         "text_sha256": text_sha256(text),
+        **served(tok, ids),
         "margins": [float(t.values[0] - t.values[1]) for t in top],
         "top2_ids": [t.indices.tolist() for t in top],
     }

@@ -22,17 +22,9 @@ from engine.generate import forced, generate
 from workflow import logprobs
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json, text_sha256, token_sha256
-from workflow.traces import first_difference, token_at
+from workflow.traces import first_row_mismatch
 from workflow.runs import label, run_name
 from workflow.session import Session, engine_args, engine_stage
-
-
-def first_row_mismatch(rows: list[list[int]]) -> dict | None:
-    for r, ids in enumerate(rows[1:], 1):
-        step = first_difference(rows[0], ids)
-        if step is not None:
-            return {"row": r, "step": step, "row0_token": token_at(rows[0], step), "row_token": token_at(ids, step)}
-    return None
 
 
 def run_batch(s: Session, batch: int, name: str) -> list[dict]:

@@ -2,8 +2,10 @@
 
 Targets (`quality.targets`): `hf` (transformers' own model, in process, as the oracle loads it), `engine`
 (this project's engine behind its OpenAI-compatible endpoint, `python -m engine.serve`, started here on a
-free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log) and
-`{name, url}` (any OpenAI-compatible `/v1/completions` endpoint). Same data, same contract for all
+free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log), the name
+of an `engines:` entry of kind openai (its url, or its serve command started and stopped as the engine's server is,
+logged to logs/quality-<name>-server.log; workflow/targets.py) and `{name, url}` (any OpenAI-compatible
+`/v1/completions` endpoint). Same data, same contract for all
 (workflow/gsm8k.py). Outputs: quality/gsm8k-<target>.json, quality/gsm8k-<target>-rows.jsonl and
 quality/gsm8k-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
 anything but `pass`, after sealing, unless `quality.advisory`). On random weights (checkpoint.source synthetic) the
@@ -12,24 +14,16 @@ only claim is identical completions: anything else is `no_claim` (workflow/gsm8k
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
 
-from workflow import checkpoints, environment, gsm8k, hf
+from workflow import checkpoints, environment, gsm8k, hf, targets
 from workflow.evidence import Stage, read_config, read_json, stage_args, write_text
 
-REPO = Path(__file__).resolve().parents[2]
-READY_TIMEOUT_S = 300
-REQUEST_TIMEOUT_S = 600
 NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
                "on identical completions and otherwise makes no claim; it says nothing about model quality")
 
@@ -74,80 +68,23 @@ def run_hf(ckpt: Path, items: list[dict], cfg: dict, dtype: str, device: str, lo
                  "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def complete(base: str, prompt: str, cfg: dict, model: str | None) -> str:
-    body = {"prompt": prompt, "max_tokens": cfg["max_tokens"], "temperature": 0, "stop": list(cfg["stop"]) or None}
-    if model:
-        body["model"] = model
-    req = urllib.request.Request(f"{base}/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-            doc = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"endpoint answered {e.code}: {e.read()[:500].decode(errors='replace')}") from e
+def complete(client: targets.Client, prompt: str, cfg: dict) -> str:
+    doc = client.complete({"prompt": prompt, "max_tokens": cfg["max_tokens"], "stop": list(cfg["stop"]) or None})
     # An endpoint that ignores `stop` still gets the contract: cut at the first stop string.
     return gsm8k.truncate(doc["choices"][0]["text"], list(cfg["stop"]))
 
 
 def run_endpoint(base: str, items: list[dict], cfg: dict, log, name: str) -> list[str]:
-    models = _get(f"{base}/models", 30)
-    model = models["data"][0]["id"] if models.get("data") else None
-    out = []
+    client, out = targets.Client(base).connect(), []
     for i, it in enumerate(items, 1):
-        out.append(complete(base, it["prompt"], cfg, model))
+        out.append(complete(client, it["prompt"], cfg))
         log(f"{name} {i}/{len(items)}")
     return out
 
 
-@contextlib.contextmanager
-def engine_server(ckpt: Path, device: str, dtype: str, server_log: Path, code: Path = REPO, env: dict | None = None):
-    """`python -m engine.serve` of the engine package under `code` (run from there, so that it is the one
-    imported) on a free port of 127.0.0.1, polled on /v1/models until ready: yields (base URL, seconds to
-    ready); always stopped. Its output goes to server_log."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}/v1"
-    server_log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt.resolve()), "--device", device, "--dtype", dtype,
-           "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine"]
-    where = f"see {server_log.relative_to(server_log.parents[1]).as_posix()}"
-    with open(server_log, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=code, env=env)
-        try:
-            t0 = time.perf_counter()
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the engine server exited with {proc.returncode} before it was ready ({where})")
-                try:
-                    _get(f"{base}/models", 2)
-                    break
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    if time.perf_counter() - t0 > READY_TIMEOUT_S:
-                        raise RuntimeError(f"the engine server was not ready within {READY_TIMEOUT_S}s ({where})")
-                    time.sleep(0.2)
-            yield base, time.perf_counter() - t0
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
     """The engine behind its endpoint (engine_server), evaluated like any endpoint."""
-    with engine_server(ckpt, device, dtype, evidence / "logs/quality-engine-server.log") as (base, ready):
+    with targets.engine_server(ckpt, device, dtype, evidence / "logs/quality-engine-server.log") as (base, ready):
         log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
         texts = run_endpoint(base, items, cfg, log, "engine")
     return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m engine.serve, "
@@ -158,13 +95,15 @@ def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: 
 # --- the stage ---------------------------------------------------------------------------------
 
 def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: str | None = None,
-        endpoints: dict[str, str] | None = None) -> dict:
+        endpoints: dict[str, str] | None = None, engines: dict[str, dict] | None = None) -> dict:
+    """endpoints: the URLs of `{name, url}` targets; engines: the `engines:` entries named as targets (their URLs and
+    commands: the evidence config records hashes and redacted paths only)."""
     config = read_config(evidence / "config.yaml")
     q = config["quality"]
     cfg = q["gsm8k"]
     device = environment.resolve_device(config["device"])
-    targets = q["targets"]
-    names = [target_name(t) for t in targets]
+    chosen = q["targets"]
+    names = [target_name(t) for t in chosen]
     if q["reference"] not in names:
         raise ValueError(f"quality.reference {q['reference']!r} is not one of quality.targets {names}")
     params = {"targets": names, "reference": q["reference"], "tolerance": q["tolerance"],
@@ -194,7 +133,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             print(f"[quality] {msg}", flush=True)
 
         results, rows_of = {}, {}
-        for t in targets:
+        for t in chosen:
             name = target_name(t)
             t0 = time.perf_counter()
             if t == "hf":
@@ -202,6 +141,17 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             elif t == "engine":
                 texts, meta = run_engine(ckpt, evidence, items, cfg, config["dtype"], device, log)
                 st.add_file(evidence / "logs/quality-engine-server.log")
+            elif isinstance(t, str):  # an `engines:` entry: its url, or its server started here
+                spec = (engines or {}).get(name)
+                if spec is None:
+                    raise ValueError(f"quality.targets: {name!r} needs its `engines:` entry (--engines JSON)")
+                server_log = evidence / f"logs/quality-{name}-server.log"
+                with targets.endpoint(spec, ckpt, spec.get("dtype") or config["dtype"], device, server_log) as base:
+                    texts = run_endpoint(base, items, cfg, log, name)
+                if server_log.is_file():
+                    st.add_file(server_log)
+                meta = {"implementation": f"engines: {name}, an OpenAI-compatible endpoint "
+                                          + ("started by its serve command" if "serve" in spec else "(URL not recorded)")}
             else:
                 url = (endpoints or {}).get(name) or t["url"]
                 if url.startswith("<url>"):
@@ -245,10 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train", default=None, help="quality.gsm8k.train (source local)")
     ap.add_argument("--endpoint", action="append", default=[], metavar="NAME=URL",
                     help="the URL of an endpoint target (the evidence records a hash of it only)")
+    ap.add_argument("--engines", type=json.loads, default=[], help="the `engines:` entries named as targets, as JSON")
     args = ap.parse_args(argv)
     try:
         endpoints = dict(e.split("=", 1) for e in args.endpoint)
-        run(args.checkpoint, args.evidence, args.test, args.train, endpoints)
+        run(args.checkpoint, args.evidence, args.test, args.train, endpoints, {e["name"]: e for e in args.engines})
     except (gsm8k.DataError, checkpoints.CheckpointInvalid, ValueError, RuntimeError) as e:
         sys.exit(f"[quality] error: {e}")
 
