@@ -223,6 +223,25 @@ def test_a_bad_engine_entry_is_refused_naming_it(entry, where, why):
     assert f"`{where}`" in err and why in err, err
 
 
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """Servers started together (tests/mutants.py serving) each need their own port, even where the OS gives a probe
+    socket's port again before the first server binds it (seen: two mutant servers on one port)."""
+    import socket
+
+    given = iter([40001, 40001, 40002])
+
+    class Probe:
+        def __init__(self, *a): self.port = next(given)
+        def __enter__(self): return self
+        def __exit__(self, *a): return False
+        def bind(self, addr): pass
+        def getsockname(self): return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(targets, "_HANDED_OUT", set())
+    monkeypatch.setattr(socket, "socket", Probe)
+    assert [targets.free_port(), targets.free_port()] == [40001, 40002]
+
+
 def test_an_unreachable_url_is_refused_before_work():
     port = targets.free_port()  # nothing listens there
     err = rejected(with_engines({"name": "remote", "kind": "openai", "url": f"http://127.0.0.1:{port}/v1"}))

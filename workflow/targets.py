@@ -27,6 +27,7 @@ import socket
 import string
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -156,10 +157,21 @@ def fill(template: str, **values) -> list[str]:
     return [w.format(**values) for w in shlex.split(template)]
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: servers started together each get their own
+_HANDING = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of 127.0.0.1 that nothing listens on and that this process has not handed out before: the OS may
+    return a port again once its probe socket closes, before the first server it was given binds it."""
+    with _HANDING:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def port_free(port: int) -> bool:
