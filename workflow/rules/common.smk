@@ -86,7 +86,8 @@ def checkpoint_dir():
 CKPT = checkpoint_dir()
 PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 PARITY = [f"{E}/parity/{r}-b{n}.json" for r in PARITY_RUNS for n in config["parity"]["batch_sizes"]]
-BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
+BENCH = [f"{E}/bench/{runs.bench_cell(b, n, p)}.json" for b in config["bench"]["backends"]
+         for p in runs.bench_contracts(config["bench"]) for n in config["bench"]["batch_sizes"]]
 
 
 def launcher(wildcards, threads):
