@@ -139,7 +139,8 @@ def test_transformers_routers_choose_as_the_engine_does(benched):
     _, model = hf.load(ckpt, "float32", "cpu")
     got = replay.replay(model, rows, tokens, hf=True)
     want = replay.replay(load_model(ckpt), rows, tokens)
-    assert [r.experts for r in got] == [r.experts for r in want]
+    assert [[[sorted(ids) for ids in step] for step in r.experts] for r in got] \
+        == [[[sorted(ids) for ids in step] for step in r.experts] for r in want]
     assert len(got[0].experts) == 3 and all(len(ids) == 2 for ids in got[0].experts[0])  # N - 1 steps, top_k ids
 
 
@@ -170,3 +171,24 @@ def test_contracts_are_kept_apart_by_diff_trend_and_the_baseline(tmp_path):
     assert rows["single-distinct-b4"]["reason"] == "only in B" and rows["single-distinct-b4"]["tpot_p50_ratio"] is None
     out = compare_to([read_json(b / "bench/single-distinct-b4.json")], a)
     assert out[0]["claim"] == "no directional claim" and "no single-distinct-b4 cell" in out[0]["reason"]
+
+
+def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
+    from workflow import summary
+    from workflow.stages import bench_report
+
+    _, ev = benched
+    cells = sorted((ev / "bench").glob("single*-b*.json"))
+    bench_report.main(["--evidence", str(ev), *map(str, cells)])
+    text = "\n".join(summary.bench_section(ev))
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| single")]
+    assert [(r[1], r[2]) for r in table] == [("same", "1"), ("same", "4"), ("distinct", "1"), ("distinct", "4")]
+    for row in table:
+        cell = read_json(ev / f"bench/single{'-distinct' if row[1] == 'distinct' else ''}-b{row[2]}.json")
+        fl = cell["floor"]
+        assert row[7:10] == [f"{fl['floor_ms']:.3f}", f"{100 * fl['floor_fraction']:.0f}%",
+                             f"{fl['unique_experts']['mean']:.1f} ({fl['unique_experts']['min']}–"
+                             f"{fl['unique_experts']['max']})"]
+    assert "- `same`: one prompt (`bench.prompt`" in text
+    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in text and "`rows_as_alone` single-b1, single-b4" in text
+    assert "Floor: per steady decode step" in text and "of 8 routed experts, top-2 a row" in text
