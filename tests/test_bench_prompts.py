@@ -122,7 +122,7 @@ def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch
 
     monkeypatch.setattr(g, "_decode", mixed)
     ckpt, ev = make(tmp_path)
-    with pytest.raises(SystemExit, match="distinct prompts: row .* where its prompt alone picks .*no figure is written"):
+    with pytest.raises(SystemExit, match="distinct prompts: row .* where its prompt alone picks .*no figure is"):
         run_bench(ckpt, ev)
     assert (ev / "bench/single-b4.json").is_file() and (ev / "bench/single-distinct-b1.json").is_file()
     assert not (ev / "bench/single-distinct-b4.json").exists()
@@ -181,7 +181,8 @@ def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
     cells = sorted((ev / "bench").glob("single*-b*.json"))
     bench_report.main(["--evidence", str(ev), *map(str, cells)])
     text = "\n".join(summary.bench_section(ev))
-    table = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| single")]
+    table = [[c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines() if line.startswith("| single")]
     assert [(r[1], r[2]) for r in table] == [("same", "1"), ("same", "4"), ("distinct", "1"), ("distinct", "4")]
     for row in table:
         cell = read_json(ev / f"bench/single{'-distinct' if row[1] == 'distinct' else ''}-b{row[2]}.json")
@@ -190,5 +191,45 @@ def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
                              f"{fl['unique_experts']['mean']:.1f} ({fl['unique_experts']['min']}–"
                              f"{fl['unique_experts']['max']})"]
     assert "- `same`: one prompt (`bench.prompt`" in text
-    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in text and "`rows_as_alone` single-b1, single-b4" in text
+    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in text
+    assert "`rows_as_alone` single-b1, single-b4" in text
     assert "Floor: per steady decode step" in text and "of 8 routed experts, top-2 a row" in text
+
+
+def test_a_difference_is_a_defect_only_where_both_computations_were_sure():
+    """Rounding moves both computations of a row by err: they can differ where either was within err of a tie, never
+    where both preferred their own pick by more than the near-tie margin."""
+    row = replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, 0.9, 0.0])
+    tokens = [[3, 6, 7]]  # step 2: the batch picked 6, the row alone 5 (by 0.9 logits)
+    check = replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.01, 1.0]])
+    assert check["verdict"] == replay.NEAR_TIES and check["differences"] == 1 and check["rows_as_alone"] == 0
+    assert check["first"] == {"row": 0, "step": 2, "token": 6, "alone_token": 5, "gap": 0.9, "batch_margin": 0.01}
+    assert replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.6, 1.0]])["verdict"] == replay.MISMATCH
+    assert replay.alone_check([row], tokens, "bfloat16")["verdict"] == replay.MISMATCH  # no margins (hf): the gap
+    assert replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.6, 1.0]])["largest"]["gap"] == 0.9
+    quiet = replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, 0.3, 0.0])
+    assert replay.alone_check([quiet], tokens, "bfloat16")["verdict"] == replay.NEAR_TIES
+    assert replay.alone_check([quiet], tokens, "float32")["verdict"] == replay.MISMATCH
+    assert replay.alone_check([quiet], [[3, 5, 7]], "float32")["verdict"] == replay.AS_ALONE
+
+
+def test_a_router_that_returns_no_expert_ids_is_refused_by_name():
+    class Router(torch.nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(4, 3)  # logits only: no ids to count
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Module()
+            self.mlp.gate = Router()
+
+        def forward(self, x):
+            return self.mlp.gate(x)
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([Layer()])
+    with pytest.raises(replay.ReplayError, match="Router returned no expert ids"):
+        with replay._routers(model, hf=True):
+            model.model.layers[0](torch.ones(2, 4))

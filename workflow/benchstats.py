@@ -273,8 +273,8 @@ def directional_claim(current: dict, baseline: dict) -> dict:
 
 def summary_frame(cells: list[dict]):
     """One row per cell in FRAME_COLUMNS order, sorted by backend, prompt contract (workflow.runs: same-prompt
-    first, then distinct-prompts), then batch; the floor columns from the cell's `floor` (workflow.floor.bench_floor; empty for
-    a cell that predates it).
+    first, then distinct-prompts), then batch; the floor columns from the cell's `floor`
+    (workflow.floor.bench_floor; empty for a cell that predates it).
 
     Fails on no cells or on a repeated (backend, prompts, batch): either would make a table or a plot
     line that silently shows something other than one measurement per point.
@@ -362,7 +362,8 @@ def plot(frame, path: str | Path) -> Path:
     batches = sorted(int(b) for b in frame["batch"].unique())
     lines = frame.sort_values(["backend", "prompts", "batch"]).groupby(["backend", "prompts"], sort=True)
     for i, ((backend, prompts), group) in enumerate(lines):
-        m, name = markers[i % len(markers)], str(backend) + ("" if prompts == SAME else f" {SHORT.get(prompts, prompts)}")
+        m = markers[i % len(markers)]
+        name = str(backend) + ("" if prompts == SAME else f" {SHORT.get(prompts, prompts)}")
         style = "-" if prompts == SAME else "--"
         ax_tok.plot(group["batch"], group["decode_tok_s"], style, marker=m, label=name)
         ax_tpot.plot(group["batch"], group["tpot_p50_ms"], style, marker=m, label=name)

@@ -72,7 +72,8 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
             claim = cell_claim(y, x)
         either = y if y is not None else x
         row = {"cell": key, "backend": str(either["backend"]),
-               "kernels": str(either.get("kernels", "torch")), "prompts": cell_prompts(either), "batch": int(either["batch"]),
+               "kernels": str(either.get("kernels", "torch")), "prompts": cell_prompts(either),
+               "batch": int(either["batch"]),
                "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
                "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim}
         same = claim["tpot_p50_change_pct"] is not None

@@ -35,9 +35,17 @@ class Row:
     gaps: list[float]  # per generated token: the row alone's logit of its pick minus that of the batch's token
 
 
+class ReplayError(ValueError):
+    """A model whose routers the replay cannot read."""
+
+
 def _keep_choice(ids: list, module, args, out) -> None:
-    """transformers' router: it returns (logits, weights, expert ids)."""
-    ids.append(out[-1])
+    """transformers' router: it returns (logits, weights, expert ids) (transformers 5.24's DeepSeek-V2/V3/V4)."""
+    chosen = out[-1] if isinstance(out, tuple) else None
+    if not isinstance(chosen, torch.Tensor) or chosen.is_floating_point():
+        raise ReplayError(f"transformers' {type(module).__name__} returned no expert ids (a tuple ending in them): "
+                          "this transformers' routers are not the ones the floor reads")
+    ids.append(chosen)
 
 
 def _route_again(ids: list, module, args, out) -> None:
@@ -91,19 +99,24 @@ def replay(model, prompts: list[list[int]], tokens: list[list[int]], hf: bool = 
     return rows
 
 
-def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str) -> dict:
+def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: list[list[float]] | None = None) -> dict:
     """Each row's tokens against its prompt alone (`replay`'s picks along the row's own tokens, so one early
-    difference does not hide the steps after it). A difference where the row alone prefers its own pick by more
-    than the dtype's near-tie margin is a defect (`row_mismatch`: a batch changed a decisive token, as a row reading
-    another row's cache would); smaller ones are recorded (`near_tie_differences`): a batch changes the shapes of a
-    step's products, and with them their rounding."""
+    difference does not hide the steps after it). A difference is a defect (`row_mismatch`: a batch changed a
+    decisive token, as a row reading another row's cache would) where the row alone prefers its own pick by more
+    than the dtype's near-tie margin and, where the timed run's own top-1/top-2 `margins` are known (the engine's),
+    the batch preferred its pick by more than it too: two computations of one row that differ by rounding err each
+    way cannot both be that sure of different tokens unless err exceeds the margin. Smaller ones are recorded
+    (`near_tie_differences`): a batch changes the shapes of a step's products, and with them their rounding."""
     tie = NEAR_TIE[dtype]
-    diffs = [{"row": r, "step": i + 1, "token": gen[i], "alone_token": row.alone[i], "gap": row.gaps[i]}
+    diffs = [{"row": r, "step": i + 1, "token": gen[i], "alone_token": row.alone[i], "gap": row.gaps[i],
+              "batch_margin": margins[r][i] if margins else None}
              for r, (row, gen) in enumerate(zip(rows, tokens)) for i in range(len(gen)) if row.alone[i] != gen[i]]
-    worst = max(diffs, key=lambda d: d["gap"], default=None)
-    verdict = AS_ALONE if not diffs else MISMATCH if worst["gap"] > tie else NEAR_TIES
+    sure = lambda d: min(d["gap"], d["batch_margin"]) if margins else d["gap"]  # noqa: E731
+    worst = max(diffs, key=sure, default=None)
+    verdict = AS_ALONE if not diffs else MISMATCH if sure(worst) > tie else NEAR_TIES
     return {"rule": "each row against its prompt alone, teacher-forced along the row's tokens: a different pick "
-                    "where the row alone prefers its own by more than the near-tie margin (logits) fails the cell",
+                    "where the row alone prefers its own by more than the near-tie margin (logits), and the batch "
+                    "its own by more than it where the batch's margins are known, fails the cell",
             "verdict": verdict, "near_tie_margin": tie, "rows": len(rows),
             "rows_as_alone": len(rows) - len({d["row"] for d in diffs}), "differences": len(diffs),
             "first": diffs[0] if diffs else None, "largest": worst}

@@ -88,8 +88,8 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=N
     return Generation(tokens=out[:, width:].tolist(), margins=[])
 
 
-def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> tuple[dict, list[list[int]]]:
-    """One timed run of `rows` (the prompt ids of each row): its marks, and the tokens every row generated."""
+def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> tuple[dict, Generation]:
+    """One timed run of `rows` (the prompt ids of each row): its marks, and what every row generated."""
     batch = len(rows)
     marks = Marks(s.device)
     decode = functools.partial(hf_generate, **HF_PATHS[s.backend][1]) if s.backend in HF_PATHS else generate
@@ -111,7 +111,7 @@ def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> t
     iv = marks.intervals_ms()
     if len(iv) != new_tokens:
         raise BenchError(f"batch {batch}: {len(iv)} timed intervals, expected {new_tokens}")
-    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:], "wall_s": wall}, gen.tokens
+    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:], "wall_s": wall}, gen
 
 
 def prompt_rows(s: Session, batch: int, prompts: str) -> tuple[list[str], list[list[int]]]:
@@ -142,23 +142,24 @@ def contract(s: Session, texts: list[str], rows: list[list[int]], prompts: str) 
     }
 
 
-def check_and_floor(s: Session, rows: list[list[int]], tokens: list[list[int]], prompts: str, lay: floor.Layout,
+def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts: str, lay: floor.Layout,
                     bandwidth: float, tpot_p50_ms: float) -> tuple[dict, dict]:
     """Untimed, after the cell's timing: its rows check and its floor, from a replay of each row (only the first
-    of a same-prompt batch, whose rows were identical on every run)."""
-    same = prompts == SAME
+    of a same-prompt batch, whose rows were identical on every run) along what the last measured run generated."""
+    same, tokens = prompts == SAME, gen.tokens
     replayed = replay.replay(s.model, rows[:1] if same else rows, tokens[:1] if same else tokens,
                              hf=s.backend in HF_PATHS)
     if same:
         check = {"rule": "every row of the one prompt identical, on every run", "verdict": "rows_identical"}
         replayed = replayed * len(rows)
     else:
-        check = replay.alone_check(replayed, tokens, s.config["dtype"])
+        check = replay.alone_check(replayed, tokens, s.config["dtype"], gen.margins or None)
         if check["verdict"] == replay.MISMATCH:
             d = check["largest"]
             raise BenchError(f"batch {len(rows)}, distinct prompts: row {d['row']} picked token {d['token']} at step "
-                             f"{d['step']} where its prompt alone picks {d['alone_token']}, preferred by {d['gap']:.3g} "
-                             f"(near-tie margin {check['near_tie_margin']:g}); no figure is written")
+                             f"{d['step']} where its prompt alone picks {d['alone_token']}, preferred by {d['gap']:.3g}"
+                             + ("" if d["batch_margin"] is None else f" (the batch's margin {d['batch_margin']:.3g})")
+                             + f", beyond the near-tie margin {check['near_tie_margin']:g}; no figure is written")
     # steady step s = 3..N (steady_ms) reads each row's prompt and s - 1 tokens; replay's experts start at step 2
     steps = [([len(p) + step - 1 for p in rows],
               [set().union(*(r.experts[step - 2][layer] for r in replayed)) for layer in range(len(lay.expert))])
@@ -173,14 +174,14 @@ def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwid
     warmups = [measure(s, rows, b["new_tokens"], same)[0]["wall_s"] for _ in range(b["warmup"])]
     repeats = []
     for r in range(b["repeats"]):
-        timing, tokens = measure(s, rows, b["new_tokens"], same)
+        timing, gen = measure(s, rows, b["new_tokens"], same)
         repeats.append(timing)
         if s.primary:
             steady = sorted(timing["steady_ms"])
             print(f"[bench {s.backend}-b{batch} {prompts}] repeat {r + 1}/{b['repeats']}: "
                   f"TPOT p50 {steady[len(steady) // 2]:.3f} ms", flush=True)
     stats = summarize_cell(repeats, batch, b["new_tokens"])
-    check, fl = check_and_floor(s, rows, tokens, prompts, lay, bandwidth, stats["tpot"]["p50"])
+    check, fl = check_and_floor(s, rows, gen, prompts, lay, bandwidth, stats["tpot"]["p50"])
     return {
         "contract": contract(s, texts, rows, prompts),
         "repeats": repeats,
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                               f"({fl['bytes']['total'] / 1e6:.1f} MB at {fl['copy_bandwidth_GBps']:.0f} GB/s), "
                               f"{100 * fl['floor_fraction']:.0f}% of TPOT p50; rows: {cell['rows_check']['verdict']}",
                               flush=True)
-    except (CheckpointError, CheckpointInvalid, BenchError) as e:
+    except (CheckpointError, CheckpointInvalid, BenchError, replay.ReplayError) as e:
         sys.exit(f"[bench {args.backend}] error: {e}")
 
 
