@@ -9,6 +9,7 @@ import yaml
 
 from workflow import benchstats
 from workflow.evidence import Stage, write_json, write_manifest, write_text
+from workflow.runs import bench_cell, cell_prompts
 
 CONTRACT = {"prompt_sha256": "ab", "prompt_tokens": 9, "new_tokens": 5, "warmup": 1, "repeats": 3,
             "dtype": "float32", "timer": "perf_counter"}
@@ -68,7 +69,7 @@ def build(root: Path, campaign: str = "tiny", eid: str = "aaaaaaa-c11111111-r1",
         st.metrics.update(cells=1, cells_exact=float(verdict == "all_token_text_exact"))
     with Stage(ev, "bench-single") as st:
         for c in cells:
-            st.write_json(f"bench/{c['backend']}-b{c['batch']}.json", c)
+            st.write_json(f"bench/{bench_cell(c['backend'], c['batch'], cell_prompts(c))}.json", c)
             st.metrics[f"b{c['batch']}_tpot_p50_ms"] = c["stats"]["tpot"]["p50"]
     with Stage(ev, "bench_report") as st:
         frame = benchstats.summary_frame(cells)

@@ -27,7 +27,8 @@ def test_hf_backend_marks_every_token_and_decodes_greedily():
 
 def test_each_transformers_path_is_its_own_cell_on_its_own_experts(tmp_path):
     """hf, hf-grouped and hf-static load transformers' model with the path's experts, decode the same greedy tokens
-    (float32), and the stage writes a cell per path with its warm-up recorded apart from the repeats."""
+    (float32), and the stage writes a cell per path with its warm-up recorded apart from the repeats; and the
+    distinct-prompts cells of each path, its rows left-padded, each row as its prompt alone."""
     import tinyev
     from workflow import environment
     from workflow.evidence import read_json, write_json
@@ -36,7 +37,7 @@ def test_each_transformers_path_is_its_own_cell_on_its_own_experts(tmp_path):
     from workflow.stages import bench
 
     cfg = tinyev.config(bench={"backends": list(HF_PATHS), "batch_sizes": [1, 2], "prompt": "Hi", "new_tokens": 4,
-                               "warmup": 1, "repeats": 1})
+                               "warmup": 1, "repeats": 1, "prompts": ["Hi", "A longer prompt, padded beside Hi"]})
     ckpt, ev = tinyev.make(tmp_path, cfg)
     write_json(ev / "env.json", environment.describe("cpu"))  # the context stage's, which the cells cite
     tokens = {}
@@ -51,4 +52,7 @@ def test_each_transformers_path_is_its_own_cell_on_its_own_experts(tmp_path):
             cell = read_json(ev / f"bench/{backend}-b{b}.json")
             assert cell["backend"] == backend and len(cell["warmup_wall_s"]) == 1
             assert cell["first_warmup_over_repeat_s"] == cell["warmup_wall_s"][0] - cell["repeats"][0]["wall_s"]
+        distinct = read_json(ev / f"bench/{backend}-distinct-b2.json")
+        assert distinct["rows_check"]["verdict"] == "rows_as_alone" and distinct["contract"]["padding"]
+        assert distinct["floor"]["unique_experts"]["max"] >= distinct["floor"]["unique_experts"]["top_k"]
     assert tokens["hf-grouped"] == tokens["hf"] and tokens["hf-static"] == tokens["hf"]

@@ -287,9 +287,10 @@ def test_all_reasons_listed():
 # --- frame, markdown, plot -------------------------------------------------------------------
 
 EXPECTED_COLUMNS = [
-    "backend", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
+    "backend", "prompts", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
-    "first_warmup_over_repeat_s",
+    "first_warmup_over_repeat_s", "floor_ms", "floor_fraction", "floor_MB", "unique_experts_mean",
+    "unique_experts_min", "unique_experts_max",
 ]
 
 
@@ -326,18 +327,42 @@ def test_summary_frame_columns_and_sorting():
 def test_summary_frame_rejects_empty_and_duplicates():
     with pytest.raises(BenchError, match="no cells"):
         summary_frame([])
-    with pytest.raises(BenchError, match="duplicate cell backend=single batch=4"):
+    with pytest.raises(BenchError, match="duplicate cell backend=single prompts=same-prompt batch=4"):
         summary_frame(grid() + [cell([1.0] * 3, backend="single", batch=4)])
+
+
+def distinct(c: dict, floor_ms: float | None = None) -> dict:
+    """c as a distinct-prompts cell (its contract names it), with a floor record where floor_ms is given."""
+    c = {**c, "contract": {**c["contract"], "prompts": "distinct-prompts"}}
+    if floor_ms is not None:
+        c["floor"] = {"floor_ms": floor_ms, "floor_fraction": floor_ms / c["stats"]["tpot"]["p50"],
+                      "bytes": {"total": 5e6}, "unique_experts": {"mean": 5.5, "min": 4, "max": 7}}
+    return c
+
+
+def test_the_two_prompt_contracts_are_two_rows_with_their_floors():
+    """A same-prompt and a distinct-prompts cell of one backend and batch: two rows (same-prompt first), each with
+    its contract and its own floor; the table says which contract each figure is and puts the floor beside it."""
+    frame = summary_frame([distinct(cell([4.0] * 3, backend="single", batch=4), floor_ms=2.0),
+                           cell([3.0] * 3, backend="single", batch=4)])
+    assert list(zip(frame["prompts"], frame["tpot_p50_ms"])) == [("same-prompt", 3.0), ("distinct-prompts", 4.0)]
+    assert frame["floor_fraction"].tolist()[1] == pytest.approx(0.5) and frame["floor_ms"].isna().tolist()[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_table(frame).strip().splitlines()]
+    assert rows[2] == ["single", "same", "4", "3.000", "3.000", "3.000", "1333.3", "—", "—", "—", "no"]
+    assert rows[3][:3] == ["single", "distinct", "4"] and rows[3][7:] == ["2.000", "50%", "5.5 (4–7)", "no"]
+    with pytest.raises(BenchError, match="duplicate cell backend=single prompts=distinct-prompts batch=4"):
+        summary_frame([distinct(cell([4.0] * 3, backend="single", batch=4))] * 2)
 
 
 def test_markdown_table_header_and_rows():
     frame = summary_frame(grid())
     lines = markdown_table(frame).strip().splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-    assert cells[0] == ["backend", "batch", "steady TPOT p50 (ms)", "TPOT avg (ms)", "p95", "decode tok/s", "noisy"]
-    assert set(lines[1]) <= set("|-: ") and lines[1].count("|") == 8
+    assert cells[0] == ["backend", "prompts", "batch", "steady TPOT p50 (ms)", "TPOT avg (ms)", "p95", "decode tok/s",
+                        "floor (ms)", "floor / TPOT p50", "unique experts a MoE layer", "noisy"]
+    assert set(lines[1]) <= set("|-: ") and lines[1].count("|") == 12
     assert len(lines) == 2 + len(frame)
-    assert cells[3] == ["collective", "2", "3.000", "3.000", "3.000", "666.7", "no"]
+    assert cells[3] == ["collective", "same", "2", "3.000", "3.000", "3.000", "666.7", "—", "—", "—", "no"]
     assert cells[5][-1] == "yes"  # host-staged b8: spread 0.1
 
 

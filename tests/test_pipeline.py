@@ -44,7 +44,8 @@ def campaign(tmp: Path, **overrides) -> Path:
     cfg = {"campaign": "e2e", "device": "cpu", "checkpoint": tinyev.synthetic(),
            "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
            "parity": {"batch_sizes": [1, 3], "backends": ["single"]},
-           "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
+           "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0,
+                     "prompts": ["Hi"]},
            # the schema's GSM8K defaults (64 rows, 5 shots) do not fit the embedded set and the tiny context
            "quality": {"targets": ["hf", "engine"], "reference": "hf", "advisory": True,
                        "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}}}
@@ -86,7 +87,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
                 "profile/capture.json", "profile/kernels.csv", "profile/trace.json.gz", "plots/profile.png",
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
                 *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
-                *(f"bench/{b}-b{n}.json" for b in ("single", "collective") for n in (1, 4, 8))):
+                *(f"bench/{b}{c}-b{n}.json" for b in ("single", "collective") for c in ("", "-distinct")
+                  for n in (1, 4, 8))):
         assert (ev / rel).is_file(), rel
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["verdict"] == "all_token_text_exact"
@@ -125,6 +127,11 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     bench = json.loads((ev / "bench/collective-b8.json").read_text())
     assert bench["collective"] == "gloo" and bench["ep_size"] == 2
     assert bench["stats"]["tpot"]["count"] == bench["contract"]["repeats"] * (bench["contract"]["new_tokens"] - 2)
+    # the distinct-prompts cells: each row as its prompt alone, more experts a step than one prompt's top_k
+    distinct = json.loads((ev / "bench/single-distinct-b8.json").read_text())
+    assert distinct["rows_check"]["verdict"] == "rows_as_alone" and len(set(distinct["contract"]["prompt_tokens"])) > 1
+    assert distinct["floor"]["unique_experts"]["max"] > distinct["floor"]["unique_experts"]["top_k"]
+    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in summary and "| distinct " in summary
 
 
 @cluster.shares_default_run
@@ -214,7 +221,7 @@ def test_tracking_unreachable_still_seals_complete_evidence(tmp_path):
     assert "rope_scaling" not in recorded["checkpoint"]["config"]
     assert manifest["verdict"] == "all_token_text_exact"
     assert {"oracle/hf.json", "parity/single-b3.json", "parity/comparison.json", "bench/single-b1.json",
-            "SUMMARY.md"} <= set(manifest["files"])
+            "bench/single-distinct-b1.json", "SUMMARY.md"} <= set(manifest["files"])
 
 
 def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):

@@ -22,7 +22,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 
 from engine.checkpoint import load_model  # noqa: E402
 from engine.config import V4Args, load_args  # noqa: E402
-from workflow import checkpoints, estimate, floor, hf  # noqa: E402
+from workflow import checkpoints, estimate, floor, hf, replay  # noqa: E402
 from workflow.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
 from workflow.stages import kernel_audit, overlap  # noqa: E402
 from campaigns import overridden, rejected  # noqa: E402
@@ -217,6 +217,13 @@ def test_transformers_static_cache_is_refused_for_v4_and_its_other_paths_are_not
     validate_campaign(campaign(**{"bench.backends": ["single", "hf", "hf-grouped"]}), SCHEMA)
 
 
+def test_distinct_prompts_beside_transformers_paths_are_refused_and_on_the_engine_alone_are_not():
+    prompts = [f"prompt {i} " * (i + 1) for i in range(8)]
+    assert "at `bench.prompts`: hf: transformers' DeepSeek-V4 decodes a left-padded row otherwise" in rejected(
+        campaign(**{"bench.prompts": prompts}))
+    validate_campaign(campaign(**{"bench.prompts": prompts, "bench.backends": ["single"]}), SCHEMA)
+
+
 def test_the_graph_path_and_stages_not_run_are_not_refused():
     validate_campaign(campaign(**{"parity.kernels": ["torch", "graph"], "bench.kernels": "graph"}), SCHEMA)
     # a backend of a stage the campaign does not run is never run
@@ -292,6 +299,24 @@ def test_the_v4_floor_counts_what_a_step_must_read(ckpt):
     assert got["total"] == got["weights"] + got["chosen_experts"] + got["embedding_rows"] + got["cache"]
     early = floor.step_bytes(ckpt, torch.bfloat16, batch=1, positions=3)["cache"]  # inside the window, no entry yet
     assert early == int((3 * 3 * d + 2 * 8 * c / 4 + 2 * 8 * d / 4 + 2 * 8 * d / 8) * 2)
+
+
+def test_the_replay_reads_hash_layers_from_tid2eid_and_transformers_routers_agree(ckpt):
+    """The floor's experts on DeepSeek-V4 (workflow/replay.py): a hash layer chooses its table's row of the step's
+    input token; every layer chooses as transformers' routers do on the same tokens."""
+    model = load_model(ckpt)
+    rows, tokens = [[5, 9, 2, 40, 17, 3], [7, 3]], [[3, 8, 1, 4, 6], [2, 2, 9, 6, 5]]
+    got = replay.replay(model, rows, tokens)
+    hashed = [i for i, m in enumerate(V4_TINY["mlp_layer_types"]) if m == "hash_moe"]
+    assert hashed and len(got[0].experts[0]) == V4_TINY["num_hidden_layers"]  # every V4 layer routes
+    for row, gen in zip(got, tokens):
+        assert len(row.experts) == len(gen) - 1
+        for s, layers in enumerate(row.experts):  # decode step s + 2 feeds gen[s]
+            for i in hashed:
+                assert layers[i] == model.layers[i].mlp.gate.tid2eid[gen[s]].tolist()
+    _, theirs = hf.load(ckpt, "float32", "cpu")
+    assert [[[sorted(ids) for ids in step] for step in r.experts] for r in replay.replay(theirs, rows, tokens, hf=True)] \
+        == [[[sorted(ids) for ids in step] for step in r.experts] for r in got]
 
 
 def test_the_kernel_audit_takes_v4_shapes(ckpt):

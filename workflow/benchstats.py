@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workflow.runs import SAME, SHORT, cell_prompts
 from workflow.traces import markdown
 
 NOISE = 0.05
@@ -33,13 +34,15 @@ MIN_REPEATS = 3
 """Fewer repeats than this cannot tell run-to-run noise from signal, so the cell is noisy."""
 
 FRAME_COLUMNS = [
-    "backend", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
+    "backend", "prompts", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
-    "first_warmup_over_repeat_s",
+    "first_warmup_over_repeat_s", "floor_ms", "floor_fraction", "floor_MB", "unique_experts_mean",
+    "unique_experts_min", "unique_experts_max",
 ]
 
 MARKDOWN_HEADER = [
-    "backend", "batch", "steady TPOT p50 (ms)", "TPOT avg (ms)", "p95", "decode tok/s", "noisy",
+    "backend", "prompts", "batch", "steady TPOT p50 (ms)", "TPOT avg (ms)", "p95", "decode tok/s", "floor (ms)",
+    "floor / TPOT p50", "unique experts a MoE layer", "noisy",
 ]
 
 _CELL_KEYS = ("backend", "batch", "contract", "versions", "model", "stats")
@@ -269,9 +272,11 @@ def directional_claim(current: dict, baseline: dict) -> dict:
 # --- table, markdown, plot -------------------------------------------------------------------
 
 def summary_frame(cells: list[dict]):
-    """One row per cell in FRAME_COLUMNS order, sorted by backend then batch.
+    """One row per cell in FRAME_COLUMNS order, sorted by backend, prompt contract (workflow.runs: same-prompt
+    first, then distinct-prompts), then batch; the floor columns from the cell's `floor`
+    (workflow.floor.bench_floor; empty for a cell that predates it).
 
-    Fails on no cells or on a repeated (backend, batch): either would make a table or a plot
+    Fails on no cells or on a repeated (backend, prompts, batch): either would make a table or a plot
     line that silently shows something other than one measurement per point.
     """
     import pandas as pd
@@ -283,13 +288,16 @@ def summary_frame(cells: list[dict]):
         for k in ("backend", "batch", "stats"):
             if k not in cell:
                 raise BenchError(f"cell document missing {k}")
-        key = (cell["backend"], cell["batch"])
+        key = (cell["backend"], cell_prompts(cell), cell["batch"])
         if key in seen:
-            raise BenchError(f"duplicate cell backend={key[0]} batch={key[1]}")
+            raise BenchError(f"duplicate cell backend={key[0]} prompts={key[1]} batch={key[2]}")
         seen.add(key)
         s = cell["stats"]
+        fl = cell.get("floor") or {}
+        unique = fl.get("unique_experts") or {}
         rows.append({
             "backend": str(cell["backend"]),
+            "prompts": key[1],
             "batch": int(cell["batch"]),
             "ttft_p50_ms": s["ttft"]["p50"],
             "first_decode_p50_ms": s["first_decode"]["p50"],
@@ -304,21 +312,37 @@ def summary_frame(cells: list[dict]):
             "noisy": bool(s["noisy"]),
             # a compile's time, apart from the steady figures (cells of older evidence lack it)
             "first_warmup_over_repeat_s": cell.get("first_warmup_over_repeat_s"),
+            "floor_ms": fl.get("floor_ms"), "floor_fraction": fl.get("floor_fraction"),
+            "floor_MB": fl["bytes"]["total"] / 1e6 if fl.get("bytes") else None,
+            "unique_experts_mean": unique.get("mean"), "unique_experts_min": unique.get("min"),
+            "unique_experts_max": unique.get("max"),
         })
     frame = pd.DataFrame(rows, columns=FRAME_COLUMNS)
-    return frame.sort_values(["backend", "batch"], kind="mergesort").reset_index(drop=True)
+    same_first = lambda col: col.map(lambda v: v != SAME) if col.name == "prompts" else col  # noqa: E731
+    return frame.sort_values(["backend", "prompts", "batch"], kind="mergesort", key=same_first).reset_index(drop=True)
+
+
+def _known(v) -> bool:
+    return v is not None and v == v  # a CSV's empty field reads back as NaN
 
 
 def markdown_table(frame) -> str:
-    """The SUMMARY.md bench table, one row per cell, in the frame's order."""
-    rows = [[str(r.backend), str(int(r.batch)), f"{r.tpot_p50_ms:.3f}", f"{r.tpot_avg_ms:.3f}",
-             f"{r.tpot_p95_ms:.3f}", f"{r.decode_tok_s:.1f}", "yes" if r.noisy else "no"]
+    """The SUMMARY.md bench table, one row per cell, in the frame's order: each figure with its prompt contract
+    (`same`, `distinct`) and its floor beside it (— where the cell has none)."""
+    rows = [[str(r.backend), SHORT.get(r.prompts, str(r.prompts)), str(int(r.batch)),
+             f"{r.tpot_p50_ms:.3f}", f"{r.tpot_avg_ms:.3f}", f"{r.tpot_p95_ms:.3f}", f"{r.decode_tok_s:.1f}",
+             f"{r.floor_ms:.3f}" if _known(r.floor_ms) else "—",
+             f"{100 * r.floor_fraction:.0f}%" if _known(r.floor_fraction) else "—",
+             f"{r.unique_experts_mean:.1f} ({r.unique_experts_min:.0f}–{r.unique_experts_max:.0f})"
+             if _known(r.unique_experts_mean) else "—",
+             "yes" if r.noisy else "no"]
             for r in frame.itertuples(index=False)]
     return markdown(MARKDOWN_HEADER, rows) + "\n"
 
 
 def plot(frame, path: str | Path) -> Path:
-    """Two panels (decode tok/s vs batch, steady TPOT p50 vs batch), one line per backend.
+    """Two panels (decode tok/s vs batch, steady TPOT p50 vs batch), one line per backend and prompt contract
+    (a distinct-prompts line, dashed, is named `<backend> distinct`).
 
     Uses a bare Figure on the Agg canvas (no pyplot global state, no backend switch for the
     rest of the process) and strips the PNG "Software" text chunk so the same frame always gives
@@ -336,10 +360,13 @@ def plot(frame, path: str | Path) -> Path:
     ax_tok, ax_tpot = fig.subplots(1, 2)
     markers = ["o", "s", "^", "D", "v", "P", "X"]
     batches = sorted(int(b) for b in frame["batch"].unique())
-    for i, (backend, group) in enumerate(frame.sort_values(["backend", "batch"]).groupby("backend", sort=True)):
+    lines = frame.sort_values(["backend", "prompts", "batch"]).groupby(["backend", "prompts"], sort=True)
+    for i, ((backend, prompts), group) in enumerate(lines):
         m = markers[i % len(markers)]
-        ax_tok.plot(group["batch"], group["decode_tok_s"], marker=m, label=str(backend))
-        ax_tpot.plot(group["batch"], group["tpot_p50_ms"], marker=m, label=str(backend))
+        name = str(backend) + ("" if prompts == SAME else f" {SHORT.get(prompts, prompts)}")
+        style = "-" if prompts == SAME else "--"
+        ax_tok.plot(group["batch"], group["decode_tok_s"], style, marker=m, label=name)
+        ax_tpot.plot(group["batch"], group["tpot_p50_ms"], style, marker=m, label=name)
     for ax, ylabel, title in (
         (ax_tok, "decode throughput (tokens/s)", "Decode throughput vs batch"),
         (ax_tpot, "steady TPOT p50 (ms/step)", "Steady TPOT p50 vs batch"),

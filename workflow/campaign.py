@@ -241,8 +241,15 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     if out:
         return out
     out += [(f"cases.{i}.prompt", "the prompt is blank") for i, c in enumerate(config.get("cases", [])) if not c["prompt"].strip()]
-    if not config["bench"]["prompt"].strip():
+    bench = config["bench"]
+    if not bench["prompt"].strip():
         out.append(("bench.prompt", "the prompt is blank"))
+    prompts = bench.get("prompts") or []
+    out += [(f"bench.prompts.{i}", "the prompt is blank") for i, p in enumerate(prompts) if not p.strip()]
+    if prompts and len(prompts) < max(bench["batch_sizes"]):
+        out.append(("bench.prompts", f"{len(prompts)} prompts for batch sizes up to {max(bench['batch_sizes'])}: row r "
+                                     "of a batch gets prompts[r] (never cycled, which would repeat rows); give at least "
+                                     f"{max(bench['batch_sizes'])} different prompts, or smaller bench.batch_sizes"))
     try:
         context, tok = estimate.model_files(config, model)
     except ValueError as e:  # checkpoints.CheckpointInvalid: ids the byte-level tokenizer cannot have
@@ -316,7 +323,8 @@ def model_type(config: dict, model: dict | None) -> str | None:
 def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]]:
     """What the engine cannot run on a DeepSeek-V4 model, for the stages that would run it: expert parallelism
     (engine.checkpoint.load_model runs V4 on one device) and the `triton` decode path (engine/decode_kernels.py
-    knows the MLA model's projections only); and what transformers cannot (bench `hf-static`: its static cache).
+    knows the MLA model's projections only); and what transformers cannot (bench `hf-static`: its static cache;
+    the hf paths' distinct prompts: its left-padded rows).
     What the model itself cannot be (mlp_bias, ...) engine.config.V4Args
     refuses in resolve_model; the `graph` path is the engine's to accept or refuse."""
     stages, out = set(config["stages"]), []
@@ -336,6 +344,13 @@ def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]
         out.append(("bench.kernels", "triton: the engine's Triton decode path (engine/decode_kernels.py) covers the "
                                      "DeepSeek-V2/V3 model, not DeepSeek-V4 (the benchmark and the profile time this "
                                      "path); use torch or graph"))
+    hf = [b for b in config["bench"]["backends"] if b in runs.HF_PATHS]
+    if "bench" in stages and hf and config["bench"].get("prompts"):
+        out.append(("bench.prompts", f"{', '.join(hf)}: transformers' DeepSeek-V4 decodes a left-padded row otherwise "
+                                     "than the same prompt alone (its compressors pool the padding: a decisive "
+                                     "difference by the fourth token on the tiny model), so its distinct-prompts cells "
+                                     "would fail their rows check; bench the distinct prompts on the engine alone "
+                                     "(drop the hf paths from bench.backends) or leave bench.prompts out"))
     return out
 
 

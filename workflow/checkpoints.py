@@ -394,6 +394,8 @@ def prompt_problems(tok, context: int, config: dict) -> list[tuple[str, str, str
     bench = config.get("bench") or {}
     if bench.get("prompt"):
         items.append(("bench.prompt", "bench", bench["prompt"], bench.get("new_tokens", 32)))
+    items += [(f"bench.prompts.{i}", f"bench.prompts.{i}", p, bench.get("new_tokens", 32))
+              for i, p in enumerate(bench.get("prompts") or [])]
     out = []
     for key, where, prompt, new in items:
         n = len(tok.encode(prompt).ids)

@@ -10,7 +10,7 @@ import math
 from workflow import benchstats
 from workflow.archive import Evidence, as_dict
 from workflow.evidence import flatten
-from workflow.runs import label, label_key, run_name
+from workflow.runs import cell_label, cell_prompts, label_key, run_name
 
 IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
 """Config keys that differ between comparable runs by design: they do not limit a comparison."""
@@ -21,16 +21,18 @@ def _changed(a: dict, b: dict) -> list[str]:
 
 
 def bench_cells(ev: Evidence) -> dict[str, list[tuple[str, dict]]]:
-    """Bench cells by label (`single-graph-b8`, runs.label): the run name carries the decode path, so two paths at
-    one backend and batch are two cells. A record without `kernels` predates it: the torch path. Every file that
-    claims a cell is kept, so that two of them are reported, not one silently chosen."""
+    """Bench cells by label (`single-graph-b8`, runs.label): the run name carries the decode path and the label the
+    prompt contract, so two paths, or the same-prompt and distinct-prompts cells (`single-graph-distinct-b8`), at one
+    backend and batch are two cells. A record without `kernels` predates it: the torch path; without a prompt
+    contract: same-prompt. Every file that claims a cell is kept, so that two of them are reported, not one silently
+    chosen."""
     cells: dict[str, list[tuple[str, dict]]] = {}
     for p in sorted((ev.path / "bench").glob("*-b*.json")):
         cell = ev.read(f"bench/{p.name}")
         if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
             try:
-                key = label(str(cell["backend"]), str(cell.get("kernels", "torch")), int(cell["batch"]))
-            except (TypeError, ValueError, OverflowError):
+                key = cell_label(cell)
+            except (TypeError, ValueError, OverflowError, KeyError):
                 continue
             cells.setdefault(key, []).append((p.name, cell))
     return cells
@@ -70,7 +72,8 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
             claim = cell_claim(y, x)
         either = y if y is not None else x
         row = {"cell": key, "backend": str(either["backend"]),
-               "kernels": str(either.get("kernels", "torch")), "batch": int(either["batch"]),
+               "kernels": str(either.get("kernels", "torch")), "prompts": cell_prompts(either),
+               "batch": int(either["batch"]),
                "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
                "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim}
         same = claim["tpot_p50_change_pct"] is not None

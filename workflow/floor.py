@@ -1,7 +1,10 @@
 """The floor of a decode step: the bytes it must read over the copy bandwidth measured on the same device.
 
-A step reads every weight once, but only the batch's embedding rows and the k routed experts a MoE layer that
-identical rows choose, plus the cache; the profile stage sets this against the captured steps' kernel time.
+A step reads every weight once, but only the batch's embedding rows and the routed experts its rows chose, each
+once however many rows chose it, plus the cache (`Layout.step`). Identical rows choose the same k experts a MoE
+layer: the profile stage sets that floor (`floor`) against the captured steps' kernel time. Rows of different
+prompts choose more: the bench stage counts the experts actually chosen at each decode step (workflow/replay.py)
+and sets that floor against the cell's steady TPOT (`bench_floor`).
 
 The cache a step reads, per row, at P positions (`cache_bytes`):
 - DeepSeek-V2/V3 (MLA): every layer's latent cache, P x (kv_lora_rank + qk_rope_head_dim).
@@ -17,7 +20,10 @@ top-k layers read the router and their score correction bias (fp32, with the wei
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,33 +31,63 @@ import torch
 from workflow.checkpoints import DTYPES
 
 
-def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int) -> dict:
-    """The least a decode step of `batch` identical rows reads, by part, from the checkpoint's config alone (a
-    model on the meta device holds no memory). Router gates are fp32, as the engine keeps them."""
+@dataclass
+class Layout:
+    """What a decode step of a model reads, by part, from its config alone (a model on the meta device holds no
+    memory): `step` adds it up for one step's rows and experts."""
+    weights: int  # read once a step whatever the batch: every weight but the routed experts and the embedding table
+    per_row: int  # read once a row beside them: a DeepSeek-V4 hash layer's tid2eid row (k int64 ids a layer)
+    row: int  # one row's embedding row
+    expert: list[int]  # one routed expert's bytes, per MoE layer in layer order
+    top_k: int
+    n_experts: int
+    cache_row: Callable[[int], int]  # the cache one row reads at P positions
+
+    def step(self, positions: list[int], experts: list[Collection[int]] | None = None, ranks: int = 1) -> dict:
+        """The least a step of rows at `positions` reads: the weights once, each row's embedding row and cache, and
+        the routed experts: per MoE layer those the rows chose (`experts`: their union a layer), each read once
+        however many rows chose it; None: top_k a layer, as identical rows choose. Over `ranks` expert-parallel
+        ranks (the engine's contiguous shards: engine.parallel.ExpertParallel.experts) the busiest rank's: every
+        rank reads the weights and the cache, and the chosen experts of its own shard."""
+        if experts is None:
+            chosen = sum(self.top_k * e for e in self.expert)
+        else:
+            shard = self.n_experts // ranks
+            chosen = max(sum(sum(1 for e in ids if e // shard == r) * b for ids, b in zip(experts, self.expert))
+                         for r in range(ranks))
+        batch = len(positions)
+        weights = self.weights + batch * self.per_row
+        rows, cache = batch * self.row, sum(self.cache_row(p) for p in positions)
+        return {"weights": weights, "chosen_experts": chosen, "embedding_rows": rows, "cache": cache,
+                "total": weights + chosen + rows + cache}
+
+
+def layout(ckpt: Path, dtype: torch.dtype) -> Layout:
+    """The Layout of the checkpoint's model in `dtype`. Router gates are fp32, as the engine keeps them."""
     from engine.config import V4, load_args
     from engine.model import MoE, Transformer
 
     args = load_args(str(ckpt))
     if args.model_type == V4:
-        return v4_step_bytes(args, dtype, batch, positions)
+        return v4_layout(args, dtype)
     with torch.device("meta"):
         model = Transformer(args)
     size = lambda name, p: p.numel() * (4 if name.endswith(".gate.weight") else dtype.itemsize)  # noqa: E731
     params = dict(model.named_parameters())  # a tied lm_head is the embedding table: listed once
     routed = sum(size(n, p) for n, p in params.items() if ".experts." in n)
     experts = [l.mlp for l in model.layers if isinstance(l.mlp, MoE)]
-    chosen = sum(m.top_k * sum(size(n, p) for n, p in next(iter(m.experts.values())).named_parameters())
-                 for m in experts)
     table = 0 if args.tie_word_embeddings else size("embed_tokens.weight", params["embed_tokens.weight"])
-    rows = batch * args.hidden_size * dtype.itemsize
-    cache = args.num_hidden_layers * batch * positions * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype.itemsize
-    weights = sum(size(n, p) for n, p in params.items()) - routed - table
-    return {"weights": weights, "chosen_experts": chosen, "embedding_rows": rows, "cache": cache,
-            "total": weights + chosen + rows + cache}
+    per_position = args.num_hidden_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * dtype.itemsize
+    return Layout(weights=sum(size(n, p) for n, p in params.items()) - routed - table, per_row=0,
+                  row=args.hidden_size * dtype.itemsize,
+                  expert=[sum(size(n, p) for n, p in next(iter(m.experts.values())).named_parameters())
+                          for m in experts],
+                  top_k=args.num_experts_per_tok, n_experts=args.n_routed_experts,
+                  cache_row=lambda positions: positions * per_position)
 
 
-def v4_step_bytes(args, dtype: torch.dtype, batch: int, positions: int) -> dict:
-    """step_bytes of a DeepSeek-V4 model (engine.deepseek_v4.V4Transformer, on the meta device): the tensors the
+def v4_layout(args, dtype: torch.dtype) -> Layout:
+    """The Layout of a DeepSeek-V4 model (engine.deepseek_v4.V4Transformer, on the meta device): the tensors the
     engine keeps in fp32 (engine.v4_checkpoint.FP32: norms, sinks, position biases, hyper-connections, the router)
     at 4 bytes, the rest in `dtype`; the cache by `cache_bytes` (module docstring)."""
     from engine.deepseek_v4 import V4Transformer
@@ -63,16 +99,19 @@ def v4_step_bytes(args, dtype: torch.dtype, batch: int, positions: int) -> dict:
     params = dict(model.named_parameters())  # a tied lm_head is the embedding table: listed once
     bias = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     routed = sum(size(n, p) for n, p in params.items() if ".experts." in n)
-    expert = 3 * args.hidden_size * args.moe_intermediate_size * dtype.itemsize
-    chosen = args.num_hidden_layers * args.num_experts_per_tok * expert
     table = 0 if args.tie_word_embeddings else size("embed_tokens.weight", params["embed_tokens.weight"])
-    rows = batch * args.hidden_size * dtype.itemsize
-    hashed = sum(t == "hash_moe" for t in args.mlp_layer_types) * batch * args.num_experts_per_tok * 8
-    weights = (sum(size(n, p) for n, p in params.items()) - routed - table + sum(4 * b.numel() for b in bias.values())
-               + hashed)
-    cache = batch * cache_bytes(args, positions, dtype.itemsize)
-    return {"weights": weights, "chosen_experts": chosen, "embedding_rows": rows, "cache": cache,
-            "total": weights + chosen + rows + cache}
+    return Layout(weights=sum(size(n, p) for n, p in params.items()) - routed - table
+                  + sum(4 * b.numel() for b in bias.values()),
+                  per_row=sum(t == "hash_moe" for t in args.mlp_layer_types) * args.num_experts_per_tok * 8,
+                  row=args.hidden_size * dtype.itemsize,
+                  expert=[3 * args.hidden_size * args.moe_intermediate_size * dtype.itemsize] * args.num_hidden_layers,
+                  top_k=args.num_experts_per_tok, n_experts=args.n_routed_experts,
+                  cache_row=lambda positions: cache_bytes(args, positions, dtype.itemsize))
+
+
+def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int) -> dict:
+    """The least a decode step of `batch` identical rows at `positions` reads, by part (Layout.step)."""
+    return layout(ckpt, dtype).step([positions] * batch)
 
 
 def cache_bytes(args, positions: int, itemsize: int) -> int:
@@ -133,3 +172,29 @@ def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, de
     if kernel_us_per_step:
         out["floor_fraction"] = out["floor_us"] / kernel_us_per_step
     return out
+
+
+def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]], bandwidth: float,
+                tpot_p50_ms: float, ranks: int = 1) -> dict:
+    """The floor of a bench cell's steady decode steps, each given as (every row's cache positions, the experts
+    the rows chose a MoE layer), over `bandwidth` bytes/s, against its steady TPOT p50: per step its bytes
+    (Layout.step), their mean by part, the floor in ms (mean, min, max over the steps) and floor / TPOT."""
+    per_step = [lay.step(positions, experts, ranks) for positions, experts in steps]
+    unique = [len(ids) for _, experts in steps for ids in experts]
+    ms = [b["total"] / bandwidth * 1e3 for b in per_step]
+    floor_ms = statistics.fmean(ms)
+    return {
+        "basis": "per steady decode step: every weight read once, each row's embedding row and cache (its own "
+                 "positions), and the routed experts the rows chose a MoE layer, each once (their union), from a "
+                 "teacher-forced replay of each row (workflow/replay.py); over the measured device-to-device copy "
+                 "bandwidth" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the cache "
+                                "and its own shard's chosen experts" if ranks > 1 else ""),
+        "copy_bandwidth_GBps": bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
+        "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),
+                           "top_k": lay.top_k, "experts": lay.n_experts, "moe_layers": len(lay.expert)}
+        if unique else None,
+        "bytes": {k: statistics.fmean(b[k] for b in per_step) for k in per_step[0]},
+        "step_bytes": [b["total"] for b in per_step],
+        "floor_ms": floor_ms, "floor_ms_min": min(ms), "floor_ms_max": max(ms),
+        "tpot_p50_ms": tpot_p50_ms, "floor_fraction": floor_ms / tpot_p50_ms,
+    }

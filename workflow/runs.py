@@ -7,6 +7,9 @@ from YAML, not imported from the engine: validating a campaign must not import t
 
 A run is named `<backend><suffix>`: the suffix is empty for the torch decode path, `-triton` or `-graph`
 otherwise (`single`, `single-triton`, `collective-graph`); a batch adds `-b<B>` (`parity/single-triton-b8.json`).
+A bench cell of the distinct-prompts contract (`bench.prompts`: a different prompt on every row) adds `-distinct`
+before the batch (`bench/single-distinct-b8.json`, label `single-graph-distinct-b8`), so that it is never read as
+the same-prompt cell beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ HF_PATHS = {HF: ({"experts_implementation": "eager"}, {}), "hf-grouped": ({"expe
 BENCH_BACKENDS = _enum("bench", "backends")
 ONE_PROCESS = ("single", *HF_PATHS)
 KERNELS = _enum("parity", "kernels")  # the engine's decode path: torch ops, the Triton kernels, the CUDA-graph step
+# the bench's prompt contracts: one prompt copied to every row (rows route alike), or bench.prompts, one a row
+SAME, DISTINCT = "same-prompt", "distinct-prompts"
+SHORT = {SAME: "same", DISTINCT: "distinct"}  # in tables, plots, and (distinct) in names
+_CONTRACT_SUFFIX = {SAME: "", DISTINCT: f"-{SHORT[DISTINCT]}"}
 
 
 def suffix(kernels: str) -> str:
@@ -53,9 +60,33 @@ def run_name(backend: str, kernels: str = "torch") -> str:
     return backend if backend in HF_PATHS else backend + suffix(kernels)
 
 
-def label(backend: str, kernels: str, batch: int) -> str:
-    """One batch size of a run, as its file is named: `<run name>-b<B>`."""
-    return f"{run_name(backend, kernels)}-b{batch}"
+def label(backend: str, kernels: str, batch: int, prompts: str = SAME) -> str:
+    """One batch size of a run, as its file is named: `<run name>-b<B>`; a distinct-prompts bench cell
+    `<run name>-distinct-b<B>`."""
+    return f"{run_name(backend, kernels)}{_CONTRACT_SUFFIX[prompts]}-b{batch}"
+
+
+def bench_contracts(bench: dict) -> tuple[str, ...]:
+    """The prompt contracts a campaign's bench section runs: same-prompt, and distinct-prompts where it gives
+    `prompts`."""
+    return (SAME, DISTINCT) if bench.get("prompts") else (SAME,)
+
+
+def bench_cell(backend: str, batch: int, prompts: str = SAME) -> str:
+    """A bench cell's file under bench/, without `.json`: `<backend>[-distinct]-b<B>` (the decode path is the
+    campaign's bench.kernels, recorded in the cell)."""
+    return f"{backend}{_CONTRACT_SUFFIX[prompts]}-b{batch}"
+
+
+def cell_prompts(cell: dict) -> str:
+    """A bench cell record's prompt contract; a record without one predates distinct prompts: same-prompt."""
+    contract = cell.get("contract")
+    return contract.get("prompts", SAME) if isinstance(contract, dict) else SAME
+
+
+def cell_label(cell: dict, kernels: str = "torch") -> str:
+    """The label of a bench cell record (`label`); `kernels` where the record names none."""
+    return label(str(cell["backend"]), str(cell.get("kernels") or kernels), int(cell["batch"]), cell_prompts(cell))
 
 
 def label_key(name: str) -> tuple:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from workflow import checkpoints, gsm8k, screens
 from workflow.evidence import read_config, read_json
-from workflow.runs import STAGES
+from workflow.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
 from workflow.traces import markdown
 from workflow.verdicts import worst
 
@@ -141,8 +141,11 @@ def render(evidence_dir: str | Path, git: dict) -> str:
          "- Does not show: quality beyond the generated arithmetic problems the model was trained for"
          if ckpt["source"] == "trained" else "- Does not show: quality beyond the GSM8K rows evaluated")
         + ", behaviour on other prompts, lengths, dtypes or devices.",
-        *([f"- Speed figures hold for this device ({device}) and this benchmark contract only: one fixed prompt "
-           f"copied to every row (so rows route to the same experts), EOS ignored; noisy cells make no claim."]
+        *([f"- Speed figures hold for this device ({device}) and these benchmark contracts only: `same`, one fixed "
+           "prompt copied to every row (so rows route to the same experts)"
+           + (", and `distinct`, the campaign's prompts one a row" if config["bench"].get("prompts") else "")
+           + "; EOS ignored; noisy cells make no claim. The floor is a model of the bytes a step must read, over a "
+             "measured copy bandwidth, not a measurement of the step."]
           if (root / "bench/summary.csv").is_file() else []),
         "",
     ]
@@ -214,23 +217,76 @@ def bench_section(root: Path) -> list[str]:
     from workflow.benchstats import markdown_table
 
     cfg = read_config(root / "config.yaml")["bench"]
+    frame = pd.read_csv(root / "bench/summary.csv")
     out = [
         f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
         f"runs per cell; TPOT = steady decode interval after the first; engine decode path: {cfg.get('kernels', 'torch')})",
         "",
-        markdown_table(pd.read_csv(root / "bench/summary.csv")),
+        *bench_contract_lines(root, frame),
+        markdown_table(frame),
         "",
+        *bench_floor_lines(root),
         "![decode tok/s and TPOT against batch](plots/bench.png)",
         "",
     ]
     baseline = read_json(root / "bench/baseline.json")
     if baseline["baseline"]:
         out += [f"Against baseline `{baseline['baseline']}`:", "", markdown(
-            ["backend", "batch", "claim", "TPOT p50 change", "reason"],
-            [[c["backend"], c["batch"], c["claim"],
+            ["backend", "prompts", "batch", "claim", "TPOT p50 change", "reason"],
+            [[c["backend"], SHORT.get(c.get("prompts", SAME), c.get("prompts")), c["batch"], c["claim"],
               "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
              for c in baseline["cells"]]), ""]
     return out
+
+
+def _bench_cells(root: Path) -> list[dict]:
+    """The directory's bench cell records (bench/<cell>.json; summary.csv and baseline.json are not cells)."""
+    cells = [read_json(p) for p in sorted((root / "bench").glob("*-b*.json"))]
+    return [c for c in cells if isinstance(c, dict) and "backend" in c and "stats" in c]
+
+
+def bench_contract_lines(root: Path, frame) -> list[str]:
+    """Which prompt contract each figure of the table is (its `prompts` column), with each contract's prompts and
+    rows check, read from the cells."""
+    cells = _bench_cells(root)
+    out = []
+    if (frame["prompts"] == SAME).any():
+        n = sorted({c["contract"]["prompt_tokens"] for c in cells if cell_prompts(c) == SAME})
+        out.append(f"- `same`: one prompt (`bench.prompt`, {', '.join(map(str, n))} tokens) copied to every row, so "
+                   "every row routes to the same experts; a cell's rows must be identical on every run.")
+    distinct = [c for c in cells if cell_prompts(c) == DISTINCT]
+    if distinct:
+        lengths = max((c["contract"]["prompt_tokens"] for c in distinct), key=len)
+        checks: dict[str, list[str]] = {}
+        for c in distinct:
+            checks.setdefault(c["rows_check"]["verdict"], []).append(f"{c['backend']}-b{c['batch']}")
+        verdicts = "; ".join(f"`{v}` " + ", ".join(where) for v, where in checks.items())
+        out.append(f"- `distinct`: row r the prompt `bench.prompts[r]` ({', '.join(map(str, lengths))} tokens), so "
+                   "rows route as a real batch does; each row checked against its prompt alone (a decisive "
+                   f"difference writes no figure): {verdicts}.")
+    return ["Prompt contracts:", "", *out, ""] if out else []
+
+
+def bench_floor_lines(root: Path) -> list[str]:
+    """How the floor column is made (workflow.floor.bench_floor), from the cells' own records."""
+    floors = [c["floor"] for c in _bench_cells(root) if c.get("floor")]
+    if not floors:
+        return []
+    experts = next((f["unique_experts"] for f in floors if f.get("unique_experts")), None)
+    bandwidths = sorted({round(f["copy_bandwidth_GBps"]) for f in floors})
+    return [
+        "Floor: per steady decode step, the bytes it must read (every weight once, each row's embedding row and "
+        "cache at its own positions, and the routed experts the batch's rows chose, each once however many rows "
+        "chose it: the experts actually chosen, from an untimed teacher-forced replay of each row), over the "
+        f"device-to-device copy bandwidth each bench job measured ({', '.join(f'{b:,} GB/s' for b in bandwidths)}); "
+        "the floor column is its mean over the steady steps, floor / TPOT p50 how near the cell comes to it"
+        + (f". Unique experts a MoE layer: mean (min–max) over the steady steps and {experts['moe_layers']} MoE "
+           f"layers, of {experts['experts']} routed experts, top-{experts['top_k']} a row (a same-prompt batch: "
+           f"always {experts['top_k']})" if experts else "")
+        + (". Expert-parallel cells: the busiest rank's (each rank reads the weights, the cache and its own shard's "
+           "chosen experts)" if any(f.get("ranks", 1) > 1 for f in floors) else "") + ".",
+        "",
+    ]
 
 
 def audit_section(root: Path) -> list[str]:

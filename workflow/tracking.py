@@ -15,7 +15,8 @@ without opening a child (all read from the stage records, bench cells and env.js
 - metrics, named `<section>.<subject>.<quantity>` (MLflow names allow letters, digits, `_ - . / : space`;
   any other character of a subject becomes `_`):
   `bench.<backend><path>-b<B>.tpot_p50_ms` and `.tok_s` per bench cell, named as `runs.label` names a run
-  (`bench.single-b1`, `bench.single-graph-b8`, `bench.hf-b8`: the path suffix is empty for torch), from
+  (`bench.single-b1`, `bench.single-graph-b8`, `bench.hf-b8`: the path suffix is empty for torch; a distinct-prompts
+  cell `bench.single-graph-distinct-b8`), from
   the cell's steady TPOT p50 and decode tok/s; `parity.cells`, `parity.cells_exact` (the compare record);
   `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
   median ratio per timing envelope, `warm` and `scrubbed`, of the built-in screen; `overlap.<screen>.<envelope>.
@@ -147,7 +148,7 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
             cell = read_json(root / f)
             if not (isinstance(cell, dict) and {"backend", "batch"} <= cell.keys() and isinstance(cell.get("stats"), dict)):
                 continue  # not a cell (a stage may write others beside)
-            name = f"bench.{_name(runs.label(cell['backend'], cell.get('kernels') or kernels, cell['batch']))}"
+            name = f"bench.{_name(runs.cell_label(cell, kernels))}"
             metrics[f"{name}.tpot_p50_ms"] = (cell["stats"].get("tpot") or {}).get("p50")
             metrics[f"{name}.tok_s"] = cell["stats"].get("decode_tok_s")
     m = ok.get("compare", {}).get("metrics", {})

@@ -8,8 +8,9 @@ sealed evidence directories, with the regressions beyond the noise flagged as `e
   `created_utc`, then the id); else (a commit from another clone or branch, no git) by `created_utc`, which
   follows the commits when each commit is run in turn. The frame says which (`frame.attrs["ordered_by"]`).
 - A cell: one bench file `bench/<backend>-b<B>.json`, named as evidence names runs, `<run name>-b<B>`
-  (workflow/runs.py: `single-b8`, `single-graph-b8`, `hf-b1`); a record without `kernels` is the torch path.
-  As in workflow/diff.py, two decode paths at one backend and batch are two cells.
+  (workflow/runs.py: `single-b8`, `single-graph-b8`, `hf-b1`, a distinct-prompts cell `single-distinct-b8`); a
+  record without `kernels` is the torch path, one without a prompt contract same-prompt. As in workflow/diff.py, two
+  decode paths, or the two prompt contracts, at one backend and batch are two cells.
 - The band: for TPOT p50, the min and max of the cell's per-repeat TPOT p50s (`stats.repeat_tpot_p50`, the
   spread the noise rule reads); for tok/s, the min and max of the per-repeat decode tok/s, recomputed from the
   cell's raw `repeats` by `benchstats.tok_s`, as the cell's own. A cell
@@ -36,7 +37,7 @@ from pathlib import Path
 from workflow import archive, benchstats, diff
 from workflow.evidence import commit_history, write_text
 from workflow.gates import GATES
-from workflow.runs import label_key
+from workflow.runs import cell_prompts, label_key
 from workflow.terminal import pct, split_table, table, wrap
 from workflow.trend_plot import plot
 
@@ -48,7 +49,7 @@ OUT = "_trends"
 """Under the archive root: `evidence/_trends/<campaign>.{png,csv}` (`_` starts no campaign name)."""
 ERROR = 2
 
-COLUMNS = ["campaign", "order", "evidence", "commit", "created_utc", "cell", "backend", "kernels", "batch",
+COLUMNS = ["campaign", "order", "evidence", "commit", "created_utc", "cell", "backend", "kernels", "prompts", "batch",
            "metric", "value", "band_lo", "band_hi", "spread", "noisy", "baseline", "tpot_p50_change_pct",
            "tok_s_change_pct", "claim", "regression", "reason"] + [f"gate_{g.name}" for g in GATES]
 REGRESSION = "slower"
@@ -162,7 +163,8 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
                 prev[name] = (ev.id, cell)
             stats = cell.get("stats") if isinstance(cell.get("stats"), dict) else {}
             rows.append({**base, "cell": name, "backend": str(cell.get("backend")),
-                         "kernels": str(cell.get("kernels", "torch")), "batch": cell.get("batch"),
+                         "kernels": str(cell.get("kernels", "torch")), "prompts": cell_prompts(cell),
+                         "batch": cell.get("batch"),
                          "metric": metric, "value": value, "band_lo": lo, "band_hi": hi,
                          "spread": diff.number(stats.get("spread")),
                          "noisy": bool(stats.get("noisy", True)) if "noisy" in stats else None,

@@ -56,6 +56,13 @@ def test_the_default_campaign_is_valid():
     ("cases.0.prompt", "many words " * 200, "cases.0.prompt",
      "the prompt is 1802 tokens and 24 new tokens are asked: more than the model's context of 256 tokens"),
     ("bench.new_tokens", 250, "bench.prompt", "and 250 new tokens are asked: more than the model's context of 256"),
+    ("bench.prompts", ["one", "two"], "bench.prompts", "2 prompts for batch sizes up to 8: row r of a batch gets "
+     "prompts[r] (never cycled, which would repeat rows); give at least 8 different prompts"),
+    ("bench.prompts", ["same"] * 8, "bench.prompts", "has non-unique elements"),
+    ("bench.prompts", [f"p{i}" for i in range(9)], "bench.prompts", "is too long"),
+    ("bench.prompts", [f"p{i}" for i in range(7)] + [" \n"], "bench.prompts.7", "the prompt is blank"),
+    ("bench.prompts", [f"p{i}" for i in range(7)] + ["many words " * 200], "bench.prompts.7",
+     "the prompt is 1802 tokens and 16 new tokens are asked: more than the model's context of 256 tokens"),
     ("quality.gsm8k.limit", 65, "quality.gsm8k.limit", "65 rows asked, the test data has 64"),
     ("quality.gsm8k.shots", 9, "quality.gsm8k.shots", "9 shots asked, the train data has 8"),
     ("quality.gsm8k.shots", 5, "quality.gsm8k.shots", "5 shots) + max_tokens 24 exceed"),

@@ -1,11 +1,13 @@
-# Batched decode benchmark per backend (the table, plot and baseline comparison: bench_report.smk).
+# Batched decode benchmark per backend, a cell per batch size and prompt contract (the table, plot and baseline
+# comparison: bench_report.smk).
 rule bench:
     input:
         ckpt=CKPT,
         record=rules.record_checkpoint.output,
         env=rules.context.output.env,
     output:
-        [f"{E}/bench/{{backend}}-b{b}.json" for b in config["bench"]["batch_sizes"]],
+        [f"{E}/bench/{runs.bench_cell('{backend}', b, p)}.json" for p in runs.bench_contracts(config["bench"])
+         for b in config["bench"]["batch_sizes"]],
     wildcard_constraints:
         backend=runs.wildcard_constraints(runs.BENCH_BACKENDS)["backend"],
     # All cores: no other job runs beside a timing run (Snakemake's way to make a job exclusive; under a

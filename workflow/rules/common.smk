@@ -91,7 +91,8 @@ PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in
 # hash of each URL and the commands with their paths redacted): parity runs each (parity_target), quality the named
 TARGETS = targets.by_name(config)
 PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *TARGETS] for n in config["parity"]["batch_sizes"]]
-BENCH = [f"{E}/bench/{b}-b{n}.json" for b in config["bench"]["backends"] for n in config["bench"]["batch_sizes"]]
+BENCH = [f"{E}/bench/{runs.bench_cell(b, n, p)}.json" for b in config["bench"]["backends"]
+         for p in runs.bench_contracts(config["bench"]) for n in config["bench"]["batch_sizes"]]
 
 
 def launcher(wildcards, threads):

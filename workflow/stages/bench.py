@@ -1,20 +1,28 @@
-"""Stage `bench`: batched decode timing of the engine, per backend, for every batch size.
+"""Stage `bench`: batched decode timing of the engine, per backend, for every batch size and prompt contract.
 
-For each B: warm-up runs, then `bench.repeats` measured runs of one fixed prompt copied to B rows
-and exactly `bench.new_tokens` new tokens (EOS ignored). Marks after the prefill and after every
-batched decode step give TTFT, the first decode step and the steady TPOT samples. On a GPU the
-marks are CUDA events. Rows must agree before any figure is written; bad samples fail closed.
-Backends `hf`, `hf-grouped` and `hf-static` time transformers' own generate on the same checkpoint, prompt and
-contract, each a path of its (workflow.runs.HF_PATHS: eager; experts as grouped_mm; grouped_mm with a static
-cache, which transformers compiles on a GPU): the references the engine's figures stand beside, measured in the
-same run. Every cell records the wall time of each warm-up and measured run, so a compile (in the first
-warm-up) is recorded apart from the steady TPOT: `first_warmup_over_repeat_s`.
+For each B: warm-up runs, then `bench.repeats` measured runs of exactly `bench.new_tokens` new tokens a row (EOS
+ignored). Marks after the prefill and after every batched decode step give TTFT, the first decode step and the
+steady TPOT samples. On a GPU the marks are CUDA events. Bad samples fail closed. Two prompt contracts
+(workflow.runs): same-prompt, one fixed prompt (`bench.prompt`) copied to B rows, whose rows must be identical
+before any figure is written; and, where the campaign gives `bench.prompts`, distinct-prompts beside it (cells
+`<backend>-distinct-b<B>`), row r the prompt prompts[r] (lengths may differ), each row checked against its prompt
+alone (workflow.replay.alone_check: a decisive difference writes no figure).
+Backends `hf`, `hf-grouped` and `hf-static` time transformers' own generate on the same checkpoint, prompts and
+contract (prompts of different lengths left-padded to the longest, as transformers batches them), each a path of its
+(workflow.runs.HF_PATHS: eager; experts as grouped_mm; grouped_mm with a static cache, which transformers compiles on
+a GPU): the references the engine's figures stand beside, measured in the same run. Every cell records the wall
+time of each warm-up and measured run, so a compile (in the first warm-up) is recorded apart from the steady TPOT:
+`first_warmup_over_repeat_s`.
+After the timing, untimed, each cell's rows are replayed (workflow/replay.py) for the experts every steady decode
+step chose, and the cell records its floor (workflow.floor.bench_floor: the bytes each step must read, the unique
+experts a MoE layer, over the copy bandwidth measured here once) against its steady TPOT p50.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import json
 import statistics
 import sys
 import time
@@ -23,10 +31,11 @@ import torch
 
 from engine.checkpoint import CheckpointError
 from engine.generate import Generation, generate
+from workflow import floor, replay
 from workflow.benchstats import BenchError, summarize_cell
-from workflow.checkpoints import CheckpointInvalid
+from workflow.checkpoints import DTYPES, CheckpointInvalid
 from workflow.evidence import read_json, sha256_bytes
-from workflow.runs import BENCH_BACKENDS, HF_PATHS
+from workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts
 from workflow.session import Session, engine_args, engine_stage
 
 
@@ -69,15 +78,19 @@ class _TokenMarks:
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, eos_token_id=None, progress=None,
                 **options) -> Generation:
-    """transformers' own greedy generate, exactly new_tokens per row, marked after every token; options go to
-    generate (`cache_implementation`)."""
-    ids = torch.tensor(prompts, device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    """transformers' own greedy generate, exactly new_tokens per row, marked after every token; prompts of different
+    lengths left-padded (id 0, masked) to the longest; options go to generate (`cache_implementation`)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, streamer=_TokenMarks(progress), pad_token_id=0, **options)
-    return Generation(tokens=out[:, ids.shape[1]:].tolist(), margins=[])
+    return Generation(tokens=out[:, width:].tolist(), margins=[])
 
 
-def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> dict:
+def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> tuple[dict, Generation]:
+    """One timed run of `rows` (the prompt ids of each row): its marks, and what every row generated."""
+    batch = len(rows)
     marks = Marks(s.device)
     decode = functools.partial(hf_generate, **HF_PATHS[s.backend][1]) if s.backend in HF_PATHS else generate
     gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
@@ -85,42 +98,96 @@ def measure(s: Session, prompt_ids: list[int], batch: int, new_tokens: int) -> d
         with torch.inference_mode():
             start = time.perf_counter()
             marks.mark()
-            gen = decode(s.model, [prompt_ids] * batch, new_tokens, eos_token_id=None, progress=marks.mark)
+            gen = decode(s.model, rows, new_tokens, eos_token_id=None, progress=marks.mark)
             if marks.cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
     finally:
         gc.enable()
-    if any(row != gen.tokens[0] for row in gen.tokens) or any(len(row) != new_tokens for row in gen.tokens):
-        raise BenchError(f"batch {batch}: rows of the same prompt differ or stopped early; no figure is written")
+    if any(len(row) != new_tokens for row in gen.tokens):
+        raise BenchError(f"batch {batch}: a row stopped early; no figure is written")
+    if same and any(row != gen.tokens[0] for row in gen.tokens):
+        raise BenchError(f"batch {batch}: rows of the same prompt differ; no figure is written")
     iv = marks.intervals_ms()
     if len(iv) != new_tokens:
         raise BenchError(f"batch {batch}: {len(iv)} timed intervals, expected {new_tokens}")
-    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:], "wall_s": wall}
+    return {"ttft_ms": iv[0], "first_decode_ms": iv[1], "steady_ms": iv[2:], "wall_s": wall}, gen
 
 
-def bench_batch(s: Session, batch: int) -> dict:
+def prompt_rows(s: Session, batch: int, prompts: str) -> tuple[list[str], list[list[int]]]:
+    """The prompt of each row, as text and as ids: bench.prompt on every row, or bench.prompts[r] on row r."""
     b = s.config["bench"]
-    prompt_ids = s.tokenizer.encode(b["prompt"]).ids
-    warmups = [measure(s, prompt_ids, batch, b["new_tokens"])["wall_s"] for _ in range(b["warmup"])]
+    texts = [b["prompt"]] * batch if prompts == SAME else b["prompts"][:batch]
+    return texts, [s.tokenizer.encode(t).ids for t in texts]
+
+
+def contract(s: Session, texts: list[str], rows: list[list[int]], prompts: str) -> dict:
+    """What a cell measured. The same-prompt contract keeps the keys it always had, so that its cells compare with
+    those of earlier evidence; a distinct-prompts cell names its contract, the prompts' hash and each row's length."""
+    b = s.config["bench"]
+    if prompts == SAME:
+        what = {"prompt_sha256": sha256_bytes(texts[0].encode()), "prompt_tokens": len(rows[0])}
+    else:
+        what = {"prompts": DISTINCT, "prompts_sha256": sha256_bytes(json.dumps(texts).encode()),
+                "prompt_tokens": [len(r) for r in rows]}
+        if s.backend in HF_PATHS:
+            what["padding"] = "left, to the longest prompt"
+    return {
+        **what,
+        "new_tokens": b["new_tokens"], "warmup": b["warmup"], "repeats": b["repeats"],
+        "dtype": s.config["dtype"], "timer": "cuda_events" if s.device.startswith("cuda") else "perf_counter",
+        # how the engine ran: a claim across ranks, transports or host threads would compare setups
+        "ep_size": s.params.get("ep_size", 1), "collective": s.params.get("collective"),
+        "device": s.device.split(":")[0], "host_threads": torch.get_num_threads(),
+    }
+
+
+def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts: str, lay: floor.Layout,
+                    bandwidth: float, tpot_p50_ms: float) -> tuple[dict, dict]:
+    """Untimed, after the cell's timing: its rows check and its floor, from a replay of each row (only the first
+    of a same-prompt batch, whose rows were identical on every run) along what the last measured run generated."""
+    same, tokens = prompts == SAME, gen.tokens
+    replayed = replay.replay(s.model, rows[:1] if same else rows, tokens[:1] if same else tokens,
+                             hf=s.backend in HF_PATHS)
+    if same:
+        check = {"rule": "every row of the one prompt identical, on every run", "verdict": "rows_identical"}
+        replayed = replayed * len(rows)
+    else:
+        check = replay.alone_check(replayed, tokens, s.config["dtype"], gen.margins or None)
+        if check["verdict"] == replay.MISMATCH:
+            d = check["largest"]
+            raise BenchError(f"batch {len(rows)}, distinct prompts: row {d['row']} picked token {d['token']} at step "
+                             f"{d['step']} where its prompt alone picks {d['alone_token']}, preferred by {d['gap']:.3g}"
+                             + ("" if d["batch_margin"] is None else f" (the batch's margin {d['batch_margin']:.3g})")
+                             + f", beyond the near-tie margin {check['near_tie_margin']:g}; no figure is written")
+    # steady step s = 3..N (steady_ms) reads each row's prompt and s - 1 tokens; replay's experts start at step 2
+    steps = [([len(p) + step - 1 for p in rows],
+              [set().union(*(r.experts[step - 2][layer] for r in replayed)) for layer in range(len(lay.expert))])
+             for step in range(3, len(tokens[0]) + 1)]
+    return check, floor.bench_floor(lay, steps, bandwidth, tpot_p50_ms, s.params.get("ep_size", 1))
+
+
+def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwidth: float) -> dict:
+    b = s.config["bench"]
+    texts, rows = prompt_rows(s, batch, prompts)
+    same = prompts == SAME
+    warmups = [measure(s, rows, b["new_tokens"], same)[0]["wall_s"] for _ in range(b["warmup"])]
     repeats = []
     for r in range(b["repeats"]):
-        repeats.append(measure(s, prompt_ids, batch, b["new_tokens"]))
+        timing, gen = measure(s, rows, b["new_tokens"], same)
+        repeats.append(timing)
         if s.primary:
-            steady = sorted(repeats[-1]["steady_ms"])
-            print(f"[bench {s.backend}-b{batch}] repeat {r + 1}/{b['repeats']}: "
+            steady = sorted(timing["steady_ms"])
+            print(f"[bench {s.backend}-b{batch} {prompts}] repeat {r + 1}/{b['repeats']}: "
                   f"TPOT p50 {steady[len(steady) // 2]:.3f} ms", flush=True)
+    stats = summarize_cell(repeats, batch, b["new_tokens"])
+    check, fl = check_and_floor(s, rows, gen, prompts, lay, bandwidth, stats["tpot"]["p50"])
     return {
-        "contract": {
-            "prompt_sha256": sha256_bytes(b["prompt"].encode()), "prompt_tokens": len(prompt_ids),
-            "new_tokens": b["new_tokens"], "warmup": b["warmup"], "repeats": b["repeats"],
-            "dtype": s.config["dtype"], "timer": "cuda_events" if s.device.startswith("cuda") else "perf_counter",
-            # how the engine ran: a claim across ranks, transports or host threads would compare setups
-            "ep_size": s.params.get("ep_size", 1), "collective": s.params.get("collective"),
-            "device": s.device.split(":")[0], "host_threads": torch.get_num_threads(),
-        },
+        "contract": contract(s, texts, rows, prompts),
         "repeats": repeats,
-        "stats": summarize_cell(repeats, batch, b["new_tokens"]),
+        "stats": stats,
+        "rows_check": check,
+        "floor": fl,
         # a compile (transformers' static cache on a GPU, the engine's graph capture) lands in the first warm-up
         "warmup_wall_s": warmups,
         "first_warmup_over_repeat_s": (warmups[0] - statistics.median(r["wall_s"] for r in repeats)
@@ -135,13 +202,25 @@ def main(argv: list[str] | None = None) -> None:
             env = read_json(args.evidence / "env.json")
             versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
             model = {n: f["sha256"] for n, f in read_json(args.evidence / "checkpoint.json")["files"].items()}
-            for batch in args.batch_sizes:
-                cell = bench_batch(s, batch)
-                st.write_json(f"bench/{args.backend}-b{batch}.json", {
-                    "backend": args.backend, "batch": batch, **s.params, **cell, "versions": versions, "model": model})
-                st.metrics[f"b{batch}_tpot_p50_ms"] = cell["stats"]["tpot"]["p50"]
-                st.metrics[f"b{batch}_decode_tok_s"] = cell["stats"]["decode_tok_s"]
-    except (CheckpointError, CheckpointInvalid, BenchError) as e:
+            lay = floor.layout(args.checkpoint, DTYPES[s.config["dtype"]])
+            bandwidth = floor.copy_bandwidth(s.device, 512 if s.device.startswith("cuda") else 64)
+            for prompts in bench_contracts(s.config["bench"]):
+                for batch in args.batch_sizes:
+                    cell = bench_batch(s, batch, prompts, lay, bandwidth)
+                    st.write_json(f"bench/{bench_cell(args.backend, batch, prompts)}.json", {
+                        "backend": args.backend, "batch": batch, **s.params, **cell, "versions": versions,
+                        "model": model})
+                    key = f"b{batch}" if prompts == SAME else f"distinct_b{batch}"
+                    st.metrics[f"{key}_tpot_p50_ms"] = cell["stats"]["tpot"]["p50"]
+                    st.metrics[f"{key}_decode_tok_s"] = cell["stats"]["decode_tok_s"]
+                    st.metrics[f"{key}_floor_fraction"] = cell["floor"]["floor_fraction"]
+                    if s.primary:
+                        fl = cell["floor"]
+                        print(f"[bench {args.backend}-b{batch} {prompts}] floor {fl['floor_ms']:.3f} ms a steady step "
+                              f"({fl['bytes']['total'] / 1e6:.1f} MB at {fl['copy_bandwidth_GBps']:.0f} GB/s), "
+                              f"{100 * fl['floor_fraction']:.0f}% of TPOT p50; rows: {cell['rows_check']['verdict']}",
+                              flush=True)
+    except (CheckpointError, CheckpointInvalid, BenchError, replay.ReplayError) as e:
         sys.exit(f"[bench {args.backend}] error: {e}")
 
 

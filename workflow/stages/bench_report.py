@@ -13,6 +13,7 @@ from pathlib import Path
 
 from workflow import archive, benchstats
 from workflow.evidence import Stage, read_json, write_text
+from workflow.runs import bench_cell, cell_prompts
 
 
 def resolve_baseline(ref: str, evidence: Path) -> Path:
@@ -25,16 +26,18 @@ def resolve_baseline(ref: str, evidence: Path) -> Path:
 
 
 def compare_to(cells: list[dict], base_dir: Path) -> list[dict]:
+    """Each cell against the baseline's cell of the same file name: backend, prompt contract and batch."""
     out = []
     for cell in cells:
-        name = f"{cell['backend']}-b{cell['batch']}"
+        prompts = cell_prompts(cell)
+        name = bench_cell(cell["backend"], cell["batch"], prompts)
         base_file = base_dir / "bench" / f"{name}.json"
         if not base_file.is_file():
             claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
                      "reason": f"the baseline has no {name} cell"}
         else:
             claim = benchstats.directional_claim(cell, read_json(base_file))
-        out.append({"backend": cell["backend"], "batch": cell["batch"], **claim})
+        out.append({"backend": cell["backend"], "prompts": prompts, "batch": cell["batch"], **claim})
     return out
 
 
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
             st.write_json("bench/baseline.json", result)
             print(frame.to_string(index=False), flush=True)
             for c in result["cells"]:
-                print(f"[bench_report] vs {result['baseline']} {c['backend']}-b{c['batch']}: {c['claim']}"
+                print(f"[bench_report] vs {result['baseline']} {bench_cell(c['backend'], c['batch'], c['prompts'])}: "
+                      f"{c['claim']}"
                       + (f" ({c['reason']})" if c.get("reason") else ""), flush=True)
     except (FileNotFoundError, benchstats.BenchError) as e:
         sys.exit(f"[bench_report] error: {e}")
