@@ -20,10 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The top-1/top-2 logit margins under which two correct computations of one row (a batch against the row alone, a
-# decode step against the prefill) may pick differently: the floors parity's near-tie rule starts from
-# (workflow/stages/compare.py NEAR_TIE, where the bf16 figure is measured).
-NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
+from workflow.verdicts import NEAR_TIE  # a batch's row against the row alone may pick differently under it
 
 AS_ALONE, NEAR_TIES, MISMATCH = "rows_as_alone", "near_tie_differences", "row_mismatch"
 

@@ -35,12 +35,8 @@ from workflow.evidence import Stage, read_config, read_json, text_sha256, token_
 from workflow.logprobs import REFERENCE_DTYPE
 from workflow.runs import EP_BACKENDS, label as run_label
 from workflow.traces import first_difference, token_at
-from workflow.verdicts import SEVERITY, worst as worst_verdict
+from workflow.verdicts import NEAR_TIE, SEVERITY, worst as worst_verdict
 
-# Below these top-1/top-2 margins two correct implementations may pick different tokens: the floor of
-# `near_tie_margin`. For bf16, 0.5 is 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the
-# engine disagreed with itself across batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
-NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}
 # ... raised in bf16/fp16 to the margin error transformers' own run exceeds at 5% of positions
 NOISE_QUANTILE = 0.95
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
