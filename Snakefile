@@ -30,6 +30,7 @@ if not SEALED:
     include: "workflow/rules/parity.smk"
     include: "workflow/rules/compare.smk"
     include: "workflow/rules/bench.smk"
+    include: "workflow/rules/serve_bench.smk"
     include: "workflow/rules/bench_report.smk"
     include: "workflow/rules/overlap.smk"
     include: "workflow/rules/kernel_audit.smk"

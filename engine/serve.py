@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP endpoint over the engine: ``/v1/completions`` and ``/v1/models``.
 
     python -m engine.serve --checkpoint DIR [--backend single] [--device cpu] [--dtype float32] --port P
-        [--max-batch 8] [--batch-window-ms 2]
+        [--kernels torch|triton|graph] [--max-batch 8] [--batch-window-ms 2]
 
 Greedy only (``temperature`` 0; anything else is a 400), the engine's own ``generate``. ``prompt`` is a string, a
 list of strings, a list of token ids or a list of such lists (one choice per prompt; a string gets the tokenizer's
@@ -11,7 +11,9 @@ token was picked from; ``echo`` puts the prompt before the completion and, with 
 teacher-forced log-probs (``generate.forced``; the first token's is null); a token is named by its text, one
 within a multi-byte character by its bytes (OpenAI's ``bytes:\\xNN``), or with ``return_tokens_as_token_ids``
 (vLLM's) ``token_id:<id>``. ``max_tokens`` null is OpenAI's default, 16. ``usage`` counts tokens, in a stream too
-with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is a 400).
+with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is a 400). ``ignore_eos`` (vLLM's) decodes
+past EOS to ``max_tokens``, as the benchmarks do. ``--kernels`` picks the decode path the campaign's stages time:
+``torch`` ops, the Triton kernels (``engine.decode_kernels``) or the CUDA-graph step (``engine.graph_decode``).
 
 Static batching: one worker thread owns the model. A request's prompts are rows; the worker takes what has arrived
 within ``--batch-window-ms`` of the first row (or what queued while the last batch decoded), up to ``--max-batch``
@@ -26,8 +28,8 @@ loop and a full-context cache row for every slot.
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
 stops as soon as one appears (log-probs still cover every generated token, as vLLM's). ``stream: true`` sends
-server-sent events (``data: {...}``, then ``data: [DONE]``), holding back any text that could still turn into a
-stop string. Bad requests get a 4xx with an OpenAI-style JSON error naming the field; a batch that fails, a 500
+server-sent events (``data: {...}``, then ``data: [DONE]``), one a token that completes text, the last one with its
+``finish_reason`` (as vLLM's), holding back any text that could still turn into a stop string. Bad requests get a 4xx with an OpenAI-style JSON error naming the field; a batch that fails, a 500
 for each of its requests; a worker that dies, a 500 for every waiting request and a 503 for every later one.
 Handlers are async: a waiting request holds no thread. Binds 127.0.0.1 unless ``--host`` says otherwise.
 """
@@ -82,6 +84,7 @@ class CompletionRequest(BaseModel):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     stream_options: dict | None = None
+    ignore_eos: bool = False
 
 
 def _error_doc(status: int, message: str, param: str | None = None) -> dict:
@@ -140,8 +143,8 @@ BYTE_LEVEL = _byte_level()
 class Job:
     """One prompt of a request, a row of a batch. The worker calls ``post((index, kind, value))`` (thread-safe, never
     blocking): ("text", delta) while it decodes (``stream`` only: text no stop string can start in any more), then
-    ("done", None) as soon as the row ends, or ("error", message). A cancelled row (its client went away) ends at
-    its next token, unanswered."""
+    ("done", rest) as soon as the row ends (``stream``: the text not yet sent, else None), or ("error", message). A
+    cancelled row (its client went away) ends at its next token, unanswered. ``ignore_eos``: EOS does not end it."""
     index: int
     ids: list[int]
     max_tokens: int
@@ -150,6 +153,7 @@ class Job:
     echo: bool
     stream: bool
     post: Callable[[tuple], None]
+    ignore_eos: bool = False
     text: str = ""
     sent: int = 0
     stopped: bool = False
@@ -254,7 +258,8 @@ class Engine:
                 if not j.max_tokens:
                     self._done(j, [])
             if rows := [j for j in batch if j.max_tokens]:
-                generate(self.model, [j.ids for j in rows], max(j.max_tokens for j in rows), self.eos,
+                # each row's own EOS rule ends it (_ends), through stop: generate is told of no EOS
+                generate(self.model, [j.ids for j in rows], max(j.max_tokens for j in rows), None,
                          stop=lambda r, toks: self._emitted(rows[r], toks),
                          observe=lambda idx, logits: self._observe([rows[r] for r in idx], logits))
         except Exception as e:  # noqa: BLE001 - reported to every request of the batch still waiting
@@ -262,15 +267,18 @@ class Engine:
                 if j.finish is None:
                     self._fail(j, f"{type(e).__name__}: {e}")
 
+    def _ends(self, job: Job, toks: list[int]) -> bool:
+        """The row's last token is an EOS that ends it (not with ignore_eos)."""
+        return bool(toks) and not job.ignore_eos and toks[-1] in self.eos
+
     def _done(self, job: Job, toks: list[int]) -> None:
-        """A row's answer, sent as soon as the row ends, while the rest of its batch decodes on."""
+        """A row's answer, sent as soon as the row ends, while the rest of its batch decodes on; a stream's last event
+        carries the text not yet sent, so that its finish_reason comes with the last token's text."""
         job.tokens = list(toks)
-        job.finish = "stop" if job.stopped or (toks and toks[-1] in self.eos) else "length"
+        job.finish = "stop" if job.stopped or self._ends(job, toks) else "length"
         if not job.stopped:  # the whole text, with any incomplete character the stream still holds
             job.text = self.tok.decode([t for t in toks if t not in self.eos], skip_special_tokens=True)
-        if job.stream and len(job.text) > job.sent:
-            job.post((job.index, "text", job.text[job.sent:]))
-        job.post((job.index, "done", None))
+        job.post((job.index, "done", job.text[job.sent:] if job.stream else None))
 
     def _prompt_entries(self, job: Job) -> list:
         """The prompt's teacher-forced log-probs: position p - 1 predicts token p; the first token has none."""
@@ -300,13 +308,14 @@ class Engine:
             job.text += delta
             if (cut := stop_index(job.text, job.stops, start)) is not None:
                 job.text, job.stopped = job.text[:cut], True
-        if job.stream:
-            final = len(job.text) if job.stopped else len(job.text) - held_back(job.text, job.stops)
+        done = job.stopped or len(toks) >= job.max_tokens or self._ends(job, toks)
+        if done:  # its last text goes with its finish_reason
+            self._done(job, toks)
+        elif job.stream:
+            final = len(job.text) - held_back(job.text, job.stops)
             if final > job.sent:
                 job.post((job.index, "text", job.text[job.sent:final]))
                 job.sent = final
-        if done := job.stopped or len(toks) >= job.max_tokens or toks[-1] in self.eos:
-            self._done(job, toks)
         return done
 
     def name(self, t: int, as_ids: bool = False) -> str:
@@ -391,7 +400,7 @@ def create_app(engine: Engine) -> FastAPI:
         def post(event: tuple) -> None:  # the worker thread's way into this request's loop
             loop.call_soon_threadsafe(inbox.put_nowait, event)
 
-        jobs = [Job(i, ids, max_tokens, stops, req.logprobs, req.echo, req.stream, post)
+        jobs = [Job(i, ids, max_tokens, stops, req.logprobs, req.echo, req.stream, post, req.ignore_eos)
                 for i, (ids, _) in enumerate(prompts)]
         engine.submit(jobs)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -459,13 +468,28 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNELS: the schema's, the same words)
+
+
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
-                model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S) -> Engine:
+                model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
+                kernels: str = "torch") -> Engine:
     from .checkpoint import eos_ids, load_model
 
     if backend != "single":
         raise SystemExit("engine.serve: only the single-device backend is served")
+    if kernels != "torch" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"engine.serve: --kernels {kernels} on a CPU runs Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 in the environment before Python starts")
     model = load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype))
+    if kernels == "triton":
+        from . import decode_kernels
+
+        decode_kernels.enable(model)
+    elif kernels == "graph":
+        from . import graph_decode
+
+        graph_decode.enable(model)
     tok = Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
     return Engine(model, tok, eos_ids(ckpt_dir), model_id or os.path.basename(os.path.normpath(ckpt_dir)),
                   max_batch, window_s)
@@ -482,13 +506,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-id", default="evident-engine", help="the id /v1/models lists and requests may name")
+    ap.add_argument("--kernels", default="torch", choices=KERNELS, help="the decode path (as the campaign's bench.kernels)")
     ap.add_argument("--max-batch", type=int, default=MAX_BATCH, choices=range(1, MAX_BATCH + 1),
                     metavar=f"1..{MAX_BATCH}", help="rows decoded together (1: one at a time)")
     ap.add_argument("--batch-window-ms", type=float, default=WINDOW_S * 1e3,
                     help="how long an idle worker waits for more rows after the first")
     a = ap.parse_args(argv)
-    engine = load_engine(a.checkpoint, a.device, a.dtype, a.backend, a.model_id, a.max_batch, a.batch_window_ms / 1e3)
-    print(f"[serve] engine loaded ({a.device}, {a.dtype}, batches of up to {a.max_batch}); "
+    engine = load_engine(a.checkpoint, a.device, a.dtype, a.backend, a.model_id, a.max_batch, a.batch_window_ms / 1e3,
+                         a.kernels)
+    print(f"[serve] engine loaded ({a.device}, {a.dtype}, {a.kernels} decode path, batches of up to {a.max_batch}); "
           f"listening on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(create_app(engine), host=a.host, port=a.port, log_level="warning", access_log=False)
 

@@ -9,7 +9,7 @@ import yaml
 
 from workflow import benchstats
 from workflow.evidence import Stage, write_json, write_manifest, write_text
-from workflow.runs import bench_cell, cell_prompts
+from workflow.runs import SAME, bench_cell, cell_label, cell_prompts
 
 CONTRACT = {"prompt_sha256": "ab", "prompt_tokens": 9, "new_tokens": 5, "warmup": 1, "repeats": 3,
             "dtype": "float32", "timer": "perf_counter"}
@@ -50,11 +50,29 @@ def cell(backend: str = "single", batch: int = 1, tpot: float = 10.0, spread: fl
             "repeats": repeats, "stats": benchstats.summarize_cell(repeats, batch, c["new_tokens"])}
 
 
+def http_cell(target: str = "engine", concurrency: int = 2, tpot: float = 5.0, ttft: float = 20.0, spread: float = 0.0,
+              **contract) -> dict:
+    """One cell of the benchmark over HTTP: every request's events `tpot` ms apart after `ttft` (a round i of them
+    `tpot * (1 + spread * i)`), one event a token, each round ending 1 ms after its last event. Its prompt keys are
+    CONTRACT's, so that it stands beside `cell()`."""
+    c = {**CONTRACT, "prompts": SAME, "concurrency": concurrency, "timer": "perf_counter on the client", **contract}
+    repeats = []
+    for i in range(c["repeats"]):
+        step = tpot * (1 + spread * i)
+        chunks = [ttft + k * step for k in range(c["new_tokens"])]
+        repeats.append({"duration_ms": chunks[-1] + 1.0, "requests": [
+            {"chunk_ms": chunks, "output_tokens": c["new_tokens"], "counted_by": "usage"} for _ in range(concurrency)]})
+    return {"target": target, "kind": "builtin" if target == "engine" else "openai", "concurrency": concurrency,
+            "kernels": "torch", "contract": c, "versions": dict(VERSIONS), "model": dict(MODEL), "repeats": repeats,
+            "stats": benchstats.summarize_http(repeats, concurrency, c["new_tokens"]), "refused": None}
+
+
 def build(root: Path, campaign: str = "tiny", eid: str = "aaaaaaa-c11111111-r1", *, created: str = "2026-01-01T00:00:00Z",
           verdict: str = "all_token_text_exact", cells: list[dict] | None = None, tracking: dict | None = None,
-          summary_extra: str = "", seal: bool = True, plot: bool = True, versions: dict | None = None) -> Path:
-    """A sealed `root/campaign/eid/` with config, env, checkpoint, parity, bench, a plot, stage records
-    and SUMMARY.md, then its manifest (unless `seal` is False)."""
+          summary_extra: str = "", seal: bool = True, plot: bool = True, versions: dict | None = None,
+          http_cells: list[dict] = ()) -> Path:
+    """A sealed `root/campaign/eid/` with config, env, checkpoint, parity, bench (and `http_cells`, the engine's
+    over HTTP), a plot, stage records and SUMMARY.md, then its manifest (unless `seal` is False)."""
     ev = root / campaign / eid
     cells = cells if cells is not None else [cell()]
     write_text(ev / "config.yaml", yaml.safe_dump({
@@ -71,6 +89,10 @@ def build(root: Path, campaign: str = "tiny", eid: str = "aaaaaaa-c11111111-r1",
         for c in cells:
             st.write_json(f"bench/{bench_cell(c['backend'], c['batch'], cell_prompts(c))}.json", c)
             st.metrics[f"b{c['batch']}_tpot_p50_ms"] = c["stats"]["tpot"]["p50"]
+    if http_cells:
+        with Stage(ev, "serve_bench-engine") as st:
+            for c in http_cells:
+                st.write_json(f"bench/{cell_label(c)}.json", c)
     with Stage(ev, "bench_report") as st:
         frame = benchstats.summary_frame(cells)
         st.add_file(write_text(ev / "bench/summary.csv", frame.to_csv(index=False)))

@@ -344,10 +344,10 @@ def test_diff_fits_a_terminal_and_json_keeps_every_field(tmp_path, capsys, monke
     code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--json")
     bench = {c["cell"]: c for c in json.loads(out)["bench"]}
     fast = bench["host-staged-graph-b8"]
-    assert set(fast) == {"cell", "backend", "kernels", "prompts", "batch", "a_tpot_p50_ms", "b_tpot_p50_ms", "tpot_p50_ratio",
-                         "a_tok_s", "b_tok_s", "tok_s_ratio", "claim", "tpot_p50_change_pct", "tok_s_change_pct",
-                         "reason"}
-    assert (fast["backend"], fast["kernels"], fast["batch"]) == ("host-staged", "graph", 8)
+    assert set(fast) == {"cell", "backend", "kernels", "prompts", "batch", "target", "concurrency", "a_tpot_p50_ms",
+                         "b_tpot_p50_ms", "tpot_p50_ratio", "a_tok_s", "b_tok_s", "tok_s_ratio", "claim",
+                         "tpot_p50_change_pct", "tok_s_change_pct", "reason"}
+    assert (fast["backend"], fast["kernels"], fast["batch"], fast["target"]) == ("host-staged", "graph", 8, None)
     assert fast["tpot_p50_ratio"] == pytest.approx(0.5) and fast["tok_s_ratio"] == pytest.approx(2.0)
     assert fast["a_tok_s"] and fast["b_tok_s"] == pytest.approx(2 * fast["a_tok_s"]) and fast["reason"] is None
     assert bench[wide + "-graph-b1"]["reason"] == reasons[wide + "-graph-b1"] and "versions differ (torch)" in notes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import getpass
 import gzip
 import json
@@ -88,7 +89,9 @@ def test_default_campaign_writes_sealed_evidence(default_run):
                 "logs/oracle.log", *(f"logs/parity-{b}.log" for b in backends),
                 *(f"parity/{b}-b{n}.json" for b in backends for n in (1, 4, 8)),
                 *(f"bench/{b}{c}-b{n}.json" for b in ("single", "collective") for c in ("", "-distinct")
-                  for n in (1, 4, 8))):
+                  for n in (1, 4, 8)),
+                *(f"bench/http-engine{c}-c{n}.json" for c in ("", "-distinct") for n in (1, 4, 8)),
+                "logs/serve_bench-engine-server.log"):
         assert (ev / rel).is_file(), rel
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["verdict"] == "all_token_text_exact"
@@ -110,6 +113,7 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     summary = (ev / "SUMMARY.md").read_text()
     assert "all_token_text_exact" in summary and "Claim boundary" in summary
     assert "### Decode benchmark" in summary and "![decode tok/s" in summary
+    assert "### Benchmark over HTTP" in summary and "The builtin engine in process and over HTTP" in summary
     assert "### Overlap A/B screen (skipped)" in summary and "no auxiliary GEMV projections" in summary
     assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
     # the GSM8K quality gate (embedded set, engine through its endpoint against hf) and the profile capture
@@ -291,7 +295,8 @@ def test_parity_covers_the_triton_decode_path(tmp_path):
 def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(tmp_path):
     """`engines:` (README "Engine targets"): a running OpenAI-compatible server's URL (the engine's own, on a
     checkpoint written from the same spec: the same bytes) and a command, beside the builtin engine, in one run:
-    each its parity run held to the oracle, the URL a quality target too, sealed with each verdict and level."""
+    each its parity run held to the oracle, the URL a quality target and benched over HTTP too (with the builtin
+    engine's server, beside the in-process bench), sealed with each verdict and level."""
     from workflow import checkpoints, targets
 
     spec = tinyev.synthetic()
@@ -299,7 +304,8 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], "float32")
     command = f"{{python}} {REPO / 'tests/command_engine.py'} --checkpoint {{checkpoint}} --dtype {{dtype}} {{request}} {{out}}"
     with targets.engine_server(ckpt, "cpu", "float32", tmp_path / "logs/served.log") as (url, _):
-        cfg = campaign(tmp_path, **{"stages": ["parity", "quality"], "parity.batch_sizes": [1, 2],
+        cfg = campaign(tmp_path, **{"stages": ["parity", "serve_bench", "quality"], "parity.batch_sizes": [1, 2],
+                                    "bench.batch_sizes": [1, 2], "bench.http": {"concurrency": [1, 2]},
                                     "engines": [{"name": "remote", "kind": "openai", "url": url},
                                                 {"name": "mine", "kind": "command", "command": command}],
                                     "quality.targets": ["hf", "remote"]})
@@ -315,6 +321,12 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     summary = (ev / "SUMMARY.md").read_text()
     assert "`remote` (openai, token level)" in summary and "Engine targets" in summary
     assert url.split("//")[1] not in (ev / "config.yaml").read_text()  # a hash of the URL only
+    for target in ("engine", "remote"):  # the builtin engine's server and the URL: every concurrency
+        assert all((ev / f"bench/http-{target}-c{c}.json").is_file() for c in (1, 2)), target
+    side = [r for r in csv.DictReader((ev / "bench/summary.csv").open()) if r["transport"] == "http"]
+    assert {(r["target"], r["inprocess_cell"]) for r in side} == {("engine", "single-b1"), ("engine", "single-b2"),
+                                                                    ("remote", "")}
+    assert "### Benchmark over HTTP" in summary and "| `remote` | same | 2 |" in re.sub(" +", " ", summary)
     gate = json.loads(next((tmp_path / "wd/.evident/gates/e2e").glob("*.json")).read_text())
     assert gate["parity_targets"] == {"remote": {"verdict": "all_token_text_exact", "level": "token"},
                                       "mine": {"verdict": "all_token_text_exact", "level": "token"}}
@@ -373,7 +385,8 @@ def test_v4_campaign_runs_every_cpu_stage(v4_run):
     stages = dict(manifest["stages"])
     assert stages.pop("kernel_audit") == "skipped"  # nothing compiles without CUDA
     assert stages == {s: "ok" for s in ("context", "checkpoint", "oracle", "parity-single", "compare", "bench-single",
-                                        "bench-hf", "bench_report", "overlap", "quality", "profile")}
+                                        "bench-hf", "serve_bench-engine", "bench_report", "overlap", "quality",
+                                        "profile")}
     for rel in ("bench/single-b1.json", "bench/hf-b1.json", "bench/summary.csv", "plots/bench.png",
                 "overlap/screen.json", "plots/overlap.png", "kernels/audit.json", "quality/gsm8k-engine.json",
                 "quality/gsm8k-hf.json", "logs/quality-engine-server.log", "profile/capture.json",

@@ -480,6 +480,39 @@ def test_a_stop_string_ends_only_its_own_row(engine, monkeypatch):
     assert jobs[1].finish == "length" and jobs[1].tokens == alone[1]
 
 
+def test_ignore_eos_decodes_past_eos_and_a_streams_last_event_carries_its_finish(engine):
+    model, tok = engine
+    ids = tok.encode(PROMPT).ids
+    free = generate(model, [ids], 6, []).tokens[0]
+    eos = free[1]  # the row's second token is EOS here
+    eng = serve.Engine(model, tok, [eos], "tiny", max_batch=2, window_s=600)
+    out = queue.Queue()
+    jobs = [serve.Job(0, ids, 6, [], None, False, True, out.put),
+            serve.Job(1, ids, 6, [], None, False, True, out.put, ignore_eos=True)]
+    eng.submit(jobs)
+    events: dict[int, list] = {0: [], 1: []}
+    while sum(kind == "done" for e in events.values() for _, kind, _ in e) < 2:
+        i, kind, value = out.get(timeout=120)
+        events[i].append((i, kind, value))
+    assert (jobs[0].tokens, jobs[0].finish) == (free[:free.index(eos) + 1], "stop")
+    assert (jobs[1].tokens, jobs[1].finish) == (free, "length")  # on to max_tokens, as the benchmarks ask
+    for j in jobs:  # text events, then the done event with the rest: never an event of no text before it
+        *texts, (_, kind, rest) = events[j.index]
+        assert kind == "done" and all(k == "text" and v for _, k, v in texts)
+        assert "".join(v for _, _, v in texts) + rest == j.text and len(events[j.index]) <= len(j.tokens)
+
+
+def test_the_decode_path_is_the_servers_choice(server, monkeypatch):
+    ckpt = str(server[1])
+    assert serve.load_engine(ckpt).model.argmax_kernel is None
+    assert serve.load_engine(ckpt, kernels="triton").model.argmax_kernel is not None
+    assert serve.load_engine(ckpt, kernels="graph").model.graph_decode is not None
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
+            serve.load_engine(ckpt, kernels="graph")
+
+
 def test_an_echo_row_of_no_tokens_rides_along_a_decoding_batch(engine, monkeypatch):
     model, tok = engine
     gens = recording(monkeypatch)

@@ -10,6 +10,16 @@ A *cell* is one (backend, batch) pair of the decode benchmark. The bench stage m
 token (kept apart because it still pays warm-up costs), and `steady_ms` the N - 2 remaining
 decode intervals; each interval is one batched step producing one token for every row.
 
+A cell of the benchmark over HTTP (stage serve_bench: `target`, `concurrency`) records, per
+repeat, C streamed requests sent at once, each as the client saw it,
+
+    {"duration_ms": 60.2, "requests": [{"chunk_ms": [12.3, 16.1, ...], "output_tokens": 16}, ...]}
+
+`chunk_ms` the arrival of each server-sent event that carries a choice, in ms after the
+request was sent; `request_metrics` turns it into vLLM `bench serve`'s TTFT, ITL, TPOT and
+end-to-end latency, and `summarize_http` into the cell's percentiles, output tok/s and the same
+noise rule (on each repeat's median TPOT).
+
 Everything here fails closed: a sample that cannot be a real measurement (zero, negative,
 NaN, inf, a missing or extra interval) raises BenchError instead of being averaged in, and two
 cells are only called "faster"/"slower" when they measured the same thing and the difference
@@ -23,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workflow.runs import SAME, SHORT, cell_prompts
+from workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http
 from workflow.traces import markdown
 
 NOISE = 0.05
@@ -46,6 +56,20 @@ MARKDOWN_HEADER = [
 ]
 
 _CELL_KEYS = ("backend", "batch", "contract", "versions", "model", "stats")
+_HTTP_KEYS = ("target", "concurrency", "contract", "versions", "model", "stats")
+
+HTTP_METRICS = ("ttft", "tpot", "itl", "e2e")  # each at p50, p95, p99 (ms)
+HTTP_COLUMNS = [
+    "transport", "target", "prompts", "concurrency",
+    *(f"{m}_{q}_ms" for m in HTTP_METRICS for q in ("p50", "p95", "p99")),
+    "output_tok_s", "spread", "noisy", "refused", "inprocess_cell", "http_over_inprocess_tpot_p50",
+    "http_over_inprocess_ttft_p50", "http_itl_p50_over_inprocess_tpot_p50", "side_by_side_claim", "side_by_side_reason",
+]
+"""summary.csv's rows of the HTTP cells (`transport` http), after the in-process rows (`transport` in-process)."""
+IN_PROCESS, OVER_HTTP = "in-process", "http"
+SIDE_BY_SIDE_KEYS = ("prompt_sha256", "prompts_sha256", "prompt_tokens", "new_tokens", "dtype", "device")
+"""What the builtin engine's HTTP cell and its in-process cell must share to stand side by side (the rest of their
+contracts, the timer and the transport above all, differ by design)."""
 
 
 class BenchError(ValueError):
@@ -156,30 +180,98 @@ def summarize_cell(repeats: list[dict], batch: int, new_tokens: int) -> dict:
 
     all_steady = np.concatenate(steady)
     decode_tok_s = tok_s(batch, all_steady)
-    spread = (max(per_repeat) - min(per_repeat)) / float(np.median(per_repeat))
-
-    if len(repeats) < MIN_REPEATS:
-        noisy = True
-        noise_reason = (
-            f"only {len(repeats)} repeat(s); at least {MIN_REPEATS} are needed to measure run-to-run noise"
-        )
-    elif spread > NOISE:
-        noisy = True
-        noise_reason = f"repeat TPOT p50 spread {spread:.4f} > {NOISE}"
-    else:
-        noisy = False
-        noise_reason = None
-
     return {
         "ttft": stats(ttft),
         "first_decode": stats(first),
         "tpot": stats(all_steady.tolist()),
         "decode_tok_s": float(decode_tok_s),
-        "repeat_tpot_p50": per_repeat,
-        "spread": float(spread),
-        "noisy": noisy,
-        "noise_reason": noise_reason,
+        **noise(per_repeat),
     }
+
+
+def noise(per_repeat: list[float]) -> dict:
+    """The noise rule on a cell's per-repeat TPOT medians: `repeat_tpot_p50`, `spread`, `noisy`, `noise_reason`."""
+    spread = (max(per_repeat) - min(per_repeat)) / float(np.median(per_repeat))
+    if len(per_repeat) < MIN_REPEATS:
+        reason = f"only {len(per_repeat)} repeat(s); at least {MIN_REPEATS} are needed to measure run-to-run noise"
+    elif spread > NOISE:
+        reason = f"repeat TPOT p50 spread {spread:.4f} > {NOISE}"
+    else:
+        reason = None
+    return {"repeat_tpot_p50": [float(v) for v in per_repeat], "spread": float(spread), "noisy": reason is not None,
+            "noise_reason": reason}
+
+
+# --- a cell of the benchmark over HTTP ------------------------------------------------------
+
+def request_metrics(chunk_ms, output_tokens: int) -> dict:
+    """One streamed request as vLLM's `bench serve` measures it on the client (all in ms):
+
+    - TTFT: request sent -> the first event carrying a choice (`chunk_ms[0]`);
+    - ITL: the intervals between successive such events (a server that sends several tokens in one event gives
+      fewer, longer intervals);
+    - E2E: request sent -> the last such event;
+    - TPOT: (E2E - TTFT) / (output tokens - 1), the mean time per output token after the first.
+
+    Fails closed: no event, events out of order, one event for several tokens (not streamed: no TPOT), or fewer
+    than two output tokens.
+    """
+    t = _samples(chunk_ms, "chunk_ms")
+    if np.any(np.diff(t) < 0):
+        raise BenchError("chunk_ms: events out of order (the client's clock went backwards)")
+    n = _positive_int(output_tokens, "output_tokens")
+    if n < 2:
+        raise BenchError(f"{n} output token: TPOT needs at least 2")
+    if t.size < 2:
+        raise BenchError(f"{n} output tokens arrived in one event: the server did not stream them (no TPOT, no ITL)")
+    return {"ttft_ms": float(t[0]), "itl_ms": np.diff(t).tolist(), "e2e_ms": float(t[-1]),
+            "tpot_ms": float((t[-1] - t[0]) / (n - 1)), "output_tokens": n}
+
+
+def round_tok_s(rep: dict) -> float:
+    """One round of an HTTP cell: its requests' output tokens over its duration, a second."""
+    return sum(r["output_tokens"] for r in rep["requests"]) / (float(rep["duration_ms"]) / 1000.0)
+
+
+def summarize_http(repeats: list[dict], concurrency: int, new_tokens: int) -> dict:
+    """Validate every repeat of one HTTP cell and summarize it: TTFT, TPOT and E2E over every request, ITL over
+    every interval of every request (vLLM's pooling), each at avg/p50/p95/p99; output tok/s = all output tokens /
+    all repeats' durations (each from the first request sent to the last stream's end); the noise rule on each
+    repeat's median TPOT. A repeat must hold `concurrency` requests, and each request exactly `new_tokens` output
+    tokens: a server that stopped early (or ran on) measured another contract, and no figure is claimed."""
+    concurrency = _positive_int(concurrency, "concurrency")
+    new_tokens = _positive_int(new_tokens, "new_tokens")
+    if not isinstance(repeats, (list, tuple)) or not repeats:
+        raise BenchError("no repeats to summarize")
+    per: dict[str, list] = {m: [] for m in HTTP_METRICS}
+    per_repeat, tokens, seconds = [], 0, 0.0
+    for i, rep in enumerate(repeats):
+        reqs = rep.get("requests") if isinstance(rep, dict) else None
+        if not isinstance(reqs, list) or len(reqs) != concurrency:
+            raise BenchError(f"repeat {i}: {len(reqs) if isinstance(reqs, list) else 'no'} requests, expected "
+                             f"{concurrency} (the concurrency)")
+        tpots = []
+        for j, req in enumerate(reqs):
+            if req.get("output_tokens") != new_tokens:
+                raise BenchError(f"repeat {i} request {j}: {req.get('output_tokens')} output tokens where the contract "
+                                 f"asks {new_tokens} (the server stopped early or ran on): no figure is claimed")
+            try:
+                m = request_metrics(req.get("chunk_ms"), req["output_tokens"])
+            except BenchError as e:
+                raise BenchError(f"repeat {i} request {j}: {e}") from None
+            per["ttft"].append(m["ttft_ms"])
+            per["e2e"].append(m["e2e_ms"])
+            per["itl"] += m["itl_ms"]
+            per["tpot"].append(m["tpot_ms"])
+            tpots.append(m["tpot_ms"])
+            tokens += m["output_tokens"]
+        duration = float(_samples([rep.get("duration_ms")], f"repeat {i} duration_ms")[0])
+        if duration < max(r["chunk_ms"][-1] for r in reqs):
+            raise BenchError(f"repeat {i}: duration {duration} ms is shorter than a request it holds")
+        per_repeat.append(float(np.median(_samples(tpots, f"repeat {i} TPOT"))))
+        seconds += duration / 1000.0
+    out = {m: stats(v) for m, v in per.items()}
+    return {**out, "output_tok_s": tokens / seconds, **noise(per_repeat)}
 
 
 # --- comparing two cells ---------------------------------------------------------------------
@@ -192,19 +284,37 @@ def contract_of(bench: dict) -> dict:
     """
     if not isinstance(bench, dict):
         raise BenchError(f"cell document must be a dict, got {type(bench).__name__}")
-    missing = [k for k in _CELL_KEYS if k not in bench]
+    keys = _HTTP_KEYS if is_http(bench) else _CELL_KEYS  # an HTTP cell is its target's at its concurrency
+    missing = [k for k in keys if k not in bench]
     if missing:
         raise BenchError(f"cell document missing {', '.join(missing)}")
     for key in ("contract", "versions", "model", "stats"):
         if not isinstance(bench[key], dict):
             raise BenchError(f"cell document {key!r} must be a dict, got {type(bench[key]).__name__}")
-    return {
-        "backend": bench["backend"],
-        "batch": bench["batch"],
-        "contract": dict(bench["contract"]),
-        "versions": dict(bench["versions"]),
-        "model": dict(bench["model"]),
-    }
+    return {**{k: bench[k] for k in keys[:2]}, **{k: dict(bench[k]) for k in ("contract", "versions", "model")}}
+
+
+def throughput(stats_: dict) -> float:
+    """A cell's tokens a second: an in-process cell's decode tok/s, an HTTP cell's output tok/s."""
+    return float(stats_["decode_tok_s"] if "decode_tok_s" in stats_ else stats_["output_tok_s"])
+
+
+def _refusals(current: dict, baseline: dict, names=("current", "baseline")) -> list[str]:
+    return [f"{name} cell has no figure ({c['refused']})" for name, c in zip(names, (current, baseline))
+            if isinstance(c, dict) and c.get("refused")]
+
+
+def _noisy(cs: dict, bs: dict, names=("current", "baseline")) -> list[str]:
+    return [f"{name} cell noisy ({s.get('noise_reason') or 'flagged noisy'})"
+            for name, s in zip(names, (cs, bs)) if s.get("noisy", True)]
+
+
+def _within_noise(pct: float, cs: dict, bs: dict) -> str | None:
+    """Why a relative TPOT p50 difference makes no claim: it is no larger than the larger of the two spreads."""
+    noise_ = max(float(cs["spread"]), float(bs["spread"]))
+    if abs(pct) / 100.0 <= noise_:
+        return f"difference within noise (|{pct:+.2f}%| <= spread {noise_ * 100:.2f}%)"
+    return None
 
 
 def _differing_keys(a: dict, b: dict) -> list[str]:
@@ -227,12 +337,14 @@ def directional_claim(current: dict, baseline: dict) -> dict:
     difference was) and are None when they did not (a percentage between different experiments
     invites exactly the reading this function exists to prevent).
     """
+    if refused := _refusals(current, baseline):
+        return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
+                "reason": "; ".join(refused)}
     a, b = contract_of(current), contract_of(baseline)
     reasons: list[str] = []
-    if a["backend"] != b["backend"]:
-        reasons.append(f"backend differs ({a['backend']} vs {b['backend']})")
-    if a["batch"] != b["batch"]:
-        reasons.append(f"batch differs ({a['batch']} vs {b['batch']})")
+    for key in ("backend", "batch", "target", "concurrency"):
+        if a.get(key) != b.get(key):
+            reasons.append(f"{key} differs ({a.get(key)} vs {b.get(key)})")
     keys = _differing_keys(a["contract"], b["contract"])
     if keys:
         reasons.append(f"contract differs (keys {', '.join(keys)})")
@@ -245,28 +357,88 @@ def directional_claim(current: dict, baseline: dict) -> dict:
     comparable = not reasons
 
     cs, bs = current["stats"], baseline["stats"]
-    if cs.get("noisy", True):
-        reasons.append(f"current cell noisy ({cs.get('noise_reason') or 'flagged noisy'})")
-    if bs.get("noisy", True):
-        reasons.append(f"baseline cell noisy ({bs.get('noise_reason') or 'flagged noisy'})")
+    reasons += _noisy(cs, bs)
 
     tpot_pct = tok_pct = None
     if comparable:
         cur_p50, base_p50 = float(cs["tpot"]["p50"]), float(bs["tpot"]["p50"])
         tpot_pct = _pct(cur_p50, base_p50)
-        tok_pct = _pct(float(cs["decode_tok_s"]), float(bs["decode_tok_s"]))
-        if not reasons:
-            noise = max(float(cs["spread"]), float(bs["spread"]))
-            if abs(tpot_pct) / 100.0 <= noise:
-                reasons.append(
-                    f"difference within noise (|{tpot_pct:+.2f}%| <= spread {noise * 100:.2f}%)"
-                )
+        tok_pct = _pct(throughput(cs), throughput(bs))
+        if not reasons and (within := _within_noise(tpot_pct, cs, bs)):
+            reasons.append(within)
 
     if reasons:
         return {"claim": "no directional claim", "tpot_p50_change_pct": tpot_pct,
                 "tok_s_change_pct": tok_pct, "reason": "; ".join(reasons)}
     return {"claim": "faster" if tpot_pct < 0 else "slower", "tpot_p50_change_pct": tpot_pct,
             "tok_s_change_pct": tok_pct, "reason": None}
+
+
+def side_by_side(http: dict, inproc: dict) -> dict:
+    """The builtin engine over HTTP beside the same engine in process (the in-process cell of batch = the
+    concurrency, the same prompt contract): the ratios HTTP / in-process of TPOT p50 (vLLM's per-request TPOT over
+    the steady decode step) and TTFT p50, and the HTTP ITL p50 over the in-process steady TPOT p50 (interval for
+    interval); `slower`/`faster` (over HTTP) on the TPOT ratio only where the cells share SIDE_BY_SIDE_KEYS, the
+    model and the versions, neither is noisy and the difference exceeds the larger spread. Ratios are given
+    whenever the cells measured the same prompts and tokens, noisy or not, None otherwise."""
+    out = {"tpot_p50_ratio": None, "ttft_p50_ratio": None, "itl_p50_over_tpot_p50": None}
+    if refused := _refusals(http, inproc, ("HTTP", "in-process")):
+        return {**out, "claim": "no directional claim", "reason": "; ".join(refused)}
+    a, b = contract_of(http), contract_of(inproc)
+    reasons = []
+    if keys := [k for k in SIDE_BY_SIDE_KEYS if a["contract"].get(k) != b["contract"].get(k)]:
+        reasons.append(f"contract differs (keys {', '.join(keys)})")
+    for what in ("model", "versions"):
+        if keys := _differing_keys(a[what], b[what]):
+            reasons.append(f"{what} differs ({', '.join(keys)})")
+    comparable = not reasons
+    hs, ps = http["stats"], inproc["stats"]
+    reasons += _noisy(hs, ps, ("HTTP", "in-process"))
+    if comparable:
+        tpot = float(ps["tpot"]["p50"])
+        out = {"tpot_p50_ratio": float(hs["tpot"]["p50"]) / tpot,
+               "ttft_p50_ratio": float(hs["ttft"]["p50"]) / float(ps["ttft"]["p50"]),
+               "itl_p50_over_tpot_p50": float(hs["itl"]["p50"]) / tpot}
+        if not reasons and (within := _within_noise((out["tpot_p50_ratio"] - 1) * 100, hs, ps)):
+            reasons.append(within)
+    if reasons:
+        return {**out, "claim": "no directional claim", "reason": "; ".join(reasons)}
+    return {**out, "claim": "slower" if out["tpot_p50_ratio"] > 1 else "faster", "reason": None}
+
+
+def http_frame(http_cells: list[dict], pairs: dict[str, tuple[str, dict]]):
+    """summary.csv's HTTP rows (HTTP_COLUMNS), in label order: each cell's percentiles and output tok/s (empty, with
+    `refused`, where it has no figure) and, where `pairs` holds its in-process cell (label -> (that cell's label,
+    side_by_side)), the side by side."""
+    import pandas as pd
+
+    from workflow.runs import label_key
+
+    rows = []
+    for cell in sorted(http_cells, key=lambda c: label_key(cell_label(c))):
+        s = cell.get("stats") or {}
+        label = cell_label(cell)
+        inproc, side = pairs.get(label, (None, {}))
+        rows.append({
+            "transport": OVER_HTTP, "target": cell["target"], "prompts": cell_prompts(cell),
+            "concurrency": int(cell["concurrency"]),
+            **{f"{m}_{q}_ms": (s.get(m) or {}).get(q) for m in HTTP_METRICS for q in ("p50", "p95", "p99")},
+            "output_tok_s": s.get("output_tok_s"), "spread": s.get("spread"), "noisy": s.get("noisy"),
+            "refused": cell.get("refused"), "inprocess_cell": inproc,
+            "http_over_inprocess_tpot_p50": side.get("tpot_p50_ratio"),
+            "http_over_inprocess_ttft_p50": side.get("ttft_p50_ratio"),
+            "http_itl_p50_over_inprocess_tpot_p50": side.get("itl_p50_over_tpot_p50"),
+            "side_by_side_claim": side.get("claim"), "side_by_side_reason": side.get("reason"),
+        })
+    return pd.DataFrame(rows, columns=HTTP_COLUMNS)
+
+
+def by_transport(frame):
+    """summary.csv as (its in-process rows, its HTTP rows); a summary.csv without `transport` is in-process only."""
+    if "transport" not in frame.columns:
+        return frame, frame.iloc[0:0]
+    http = frame["transport"] == OVER_HTTP
+    return frame[~http].reset_index(drop=True), frame[http].reset_index(drop=True)
 
 
 # --- table, markdown, plot -------------------------------------------------------------------
@@ -322,7 +494,7 @@ def summary_frame(cells: list[dict]):
     return frame.sort_values(["backend", "prompts", "batch"], kind="mergesort", key=same_first).reset_index(drop=True)
 
 
-def _known(v) -> bool:
+def known(v) -> bool:
     return v is not None and v == v  # a CSV's empty field reads back as NaN
 
 
@@ -331,10 +503,10 @@ def markdown_table(frame) -> str:
     (`same`, `distinct`) and its floor beside it (— where the cell has none)."""
     rows = [[str(r.backend), SHORT.get(r.prompts, str(r.prompts)), str(int(r.batch)),
              f"{r.tpot_p50_ms:.3f}", f"{r.tpot_avg_ms:.3f}", f"{r.tpot_p95_ms:.3f}", f"{r.decode_tok_s:.1f}",
-             f"{r.floor_ms:.3f}" if _known(r.floor_ms) else "—",
-             f"{100 * r.floor_fraction:.0f}%" if _known(r.floor_fraction) else "—",
+             f"{r.floor_ms:.3f}" if known(r.floor_ms) else "—",
+             f"{100 * r.floor_fraction:.0f}%" if known(r.floor_fraction) else "—",
              f"{r.unique_experts_mean:.1f} ({r.unique_experts_min:.0f}–{r.unique_experts_max:.0f})"
-             if _known(r.unique_experts_mean) else "—",
+             if known(r.unique_experts_mean) else "—",
              "yes" if r.noisy else "no"]
             for r in frame.itertuples(index=False)]
     return markdown(MARKDOWN_HEADER, rows) + "\n"

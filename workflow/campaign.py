@@ -39,7 +39,7 @@ OPTIONAL = {"rope_scaling"}  # of the tiny model's fields: absent means plain Ro
 # model_type -> the shipped model whose fields a complete checkpoint.config of that family states
 TINY_OF = {V4: "deepseek-v4-tiny"}
 # A stage that needs another's output brings it (the `stages:` key).
-NEEDS = {"parity": "oracle"}
+NEEDS = {"parity": "oracle", "serve_bench": "bench"}  # the HTTP bench stands beside the in-process one
 # An old key read as its new name, with a warning: a campaign file written for an earlier version still runs.
 RENAMED = {"nsight": "profile"}
 
@@ -274,6 +274,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     if len(set(names)) < len(names):
         out.append(("quality.targets", f"a target name appears twice: {names}"))
     out += targets.problems(config)
+    out += targets.bench_problems(config)
     engines = targets.by_name(config)
     for i, t in enumerate(q["targets"]):
         if isinstance(t, str) and t not in ("hf", "engine") and engines.get(t, {}).get("kind") != "openai":

@@ -10,7 +10,7 @@ import math
 from workflow import benchstats
 from workflow.archive import Evidence, as_dict
 from workflow.evidence import flatten
-from workflow.runs import cell_label, cell_prompts, label_key, run_name
+from workflow.runs import cell_label, cell_prompts, is_http, label_key, run_name
 
 IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
 """Config keys that differ between comparable runs by design: they do not limit a comparison."""
@@ -24,18 +24,37 @@ def bench_cells(ev: Evidence) -> dict[str, list[tuple[str, dict]]]:
     """Bench cells by label (`single-graph-b8`, runs.label): the run name carries the decode path and the label the
     prompt contract, so two paths, or the same-prompt and distinct-prompts cells (`single-graph-distinct-b8`), at one
     backend and batch are two cells. A record without `kernels` predates it: the torch path; without a prompt
-    contract: same-prompt. Every file that claims a cell is kept, so that two of them are reported, not one silently
-    chosen."""
+    contract: same-prompt. A cell of the benchmark over HTTP is labelled by its target and concurrency
+    (`http-engine-c4`, runs.http_cell), never as an in-process one. Every file that claims a cell is kept, so that two
+    of them are reported, not one silently chosen."""
     cells: dict[str, list[tuple[str, dict]]] = {}
-    for p in sorted((ev.path / "bench").glob("*-b*.json")):
+    for p in sorted((ev.path / "bench").glob("*.json")):
         cell = ev.read(f"bench/{p.name}")
-        if isinstance(cell, dict) and "backend" in cell and "batch" in cell:
+        if is_http(cell) or isinstance(cell, dict) and "backend" in cell and "batch" in cell:
             try:
                 key = cell_label(cell)
             except (TypeError, ValueError, OverflowError, KeyError):
                 continue
             cells.setdefault(key, []).append((p.name, cell))
     return cells
+
+
+def identity(cell: dict) -> dict:
+    """What a diff or trend row says a cell is: backend, path, prompt contract and batch, or (HTTP; backend and batch
+    None) target, path (the builtin engine's), prompt contract and concurrency."""
+    if is_http(cell):
+        return {"backend": None, "kernels": cell.get("kernels"), "prompts": cell_prompts(cell), "batch": None,
+                "target": str(cell["target"]), "concurrency": int(cell["concurrency"])}
+    return {"backend": str(cell["backend"]), "kernels": str(cell.get("kernels", "torch")), "prompts": cell_prompts(cell),
+            "batch": int(cell["batch"]), "target": None, "concurrency": None}
+
+
+def tok_s(cell: dict | None) -> float | None:
+    """A cell's tokens a second (benchstats.throughput), None where it has none."""
+    try:
+        return number(benchstats.throughput(cell["stats"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _ratio(b: float | None, a: float | None) -> float | None:
@@ -71,11 +90,9 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
         else:
             claim = cell_claim(y, x)
         either = y if y is not None else x
-        row = {"cell": key, "backend": str(either["backend"]),
-               "kernels": str(either.get("kernels", "torch")), "prompts": cell_prompts(either),
-               "batch": int(either["batch"]),
+        row = {"cell": key, **identity(either),
                "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
-               "a_tok_s": _stat(x, "decode_tok_s"), "b_tok_s": _stat(y, "decode_tok_s"), **claim}
+               "a_tok_s": tok_s(x), "b_tok_s": tok_s(y), **claim}
         same = claim["tpot_p50_change_pct"] is not None
         row["tpot_p50_ratio"] = _ratio(row["b_tpot_p50_ms"], row["a_tpot_p50_ms"]) if same else None
         row["tok_s_ratio"] = _ratio(row["b_tok_s"], row["a_tok_s"]) if same else None

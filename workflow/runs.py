@@ -9,7 +9,9 @@ A run is named `<backend><suffix>`: the suffix is empty for the torch decode pat
 otherwise (`single`, `single-triton`, `collective-graph`); a batch adds `-b<B>` (`parity/single-triton-b8.json`).
 A bench cell of the distinct-prompts contract (`bench.prompts`: a different prompt on every row) adds `-distinct`
 before the batch (`bench/single-distinct-b8.json`, label `single-graph-distinct-b8`), so that it is never read as
-the same-prompt cell beside it.
+the same-prompt cell beside it. A cell of the benchmark over HTTP is named by its target and concurrency instead,
+`http-<target>-c<C>` (`bench/http-engine-c4.json`; the distinct-prompts contract `http-engine-distinct-c4`), so that
+no label of it is an in-process cell's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ KERNELS = _enum("parity", "kernels")  # the engine's decode path: torch ops, the
 SAME, DISTINCT = "same-prompt", "distinct-prompts"
 SHORT = {SAME: "same", DISTINCT: "distinct"}  # in tables, plots, and (distinct) in names
 _CONTRACT_SUFFIX = {SAME: "", DISTINCT: f"-{SHORT[DISTINCT]}"}
+HTTP = "http"  # the benchmark over HTTP: its cells' prefix
 
 
 def suffix(kernels: str) -> str:
@@ -85,14 +88,29 @@ def cell_prompts(cell: dict) -> str:
 
 
 def cell_label(cell: dict, kernels: str = "torch") -> str:
-    """The label of a bench cell record (`label`); `kernels` where the record names none."""
+    """The label of a bench cell record (`label`; an HTTP cell's, `http_cell`); `kernels` where the record names
+    none."""
+    if is_http(cell):
+        return http_cell(str(cell["target"]), int(cell["concurrency"]), cell_prompts(cell))
     return label(str(cell["backend"]), str(cell.get("kernels") or kernels), int(cell["batch"]), cell_prompts(cell))
 
 
+def http_cell(target: str, concurrency: int, prompts: str = SAME) -> str:
+    """A cell of the benchmark over HTTP, as its file under bench/ is named and its label reads:
+    `http-<target>[-distinct]-c<C>`."""
+    return f"{HTTP}-{target}{_CONTRACT_SUFFIX[prompts]}-c{concurrency}"
+
+
+def is_http(cell) -> bool:
+    """A cell record of the benchmark over HTTP (it has a target and a concurrency, no backend and batch)."""
+    return isinstance(cell, dict) and "concurrency" in cell and "target" in cell
+
+
 def label_key(name: str) -> tuple:
-    """Orders labels by run name, then by batch as a number (`single-b8` before `single-b16`)."""
-    run, _, batch = name.rpartition("-b")
-    return (run, int(batch) if batch.isdigit() else 0, name)
+    """Orders labels by run name, then by batch or concurrency as a number (`single-b8` before `single-b16`,
+    `http-engine-c4` before `http-engine-c16`)."""
+    m = re.fullmatch(r"(.*)-([bc])(\d+)", name)
+    return (m.group(1), int(m.group(3)), name) if m else (name, 0, name)
 
 
 def wildcard_constraints(backends: tuple[str, ...]) -> dict[str, str]:

@@ -129,6 +129,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "",
         *oracle_section(oracle, comparison, config),
         *bench_section(root),
+        *http_section(root),
         *overlap_section(root),
         *audit_section(root),
         *quality_section(root),
@@ -147,6 +148,10 @@ def render(evidence_dir: str | Path, git: dict) -> str:
            + "; EOS ignored; noisy cells make no claim. The floor is a model of the bytes a step must read, over a "
              "measured copy bandwidth, not a measurement of the step."]
           if (root / "bench/summary.csv").is_file() else []),
+        *([f"- HTTP figures are the client's, on loopback (127.0.0.1) on this machine: they include the server's "
+           "HTTP, JSON and event-stream work and its batching, not a network; a URL target's server ran wherever it "
+           "ran. A figure holds for its concurrency, with every request of a round sent at once."]
+          if http_rows(root) is not None else []),
         "",
     ]
     return "\n".join(out)
@@ -214,10 +219,10 @@ def bench_section(root: Path) -> list[str]:
         return []
     import pandas as pd
 
-    from workflow.benchstats import markdown_table
+    from workflow.benchstats import by_transport, markdown_table
 
     cfg = read_config(root / "config.yaml")["bench"]
-    frame = pd.read_csv(root / "bench/summary.csv")
+    frame = by_transport(pd.read_csv(root / "bench/summary.csv"))[0]  # the HTTP rows: http_section
     out = [
         f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
         f"runs per cell; TPOT = steady decode interval after the first; engine decode path: {cfg.get('kernels', 'torch')})",
@@ -235,7 +240,74 @@ def bench_section(root: Path) -> list[str]:
             ["backend", "prompts", "batch", "claim", "TPOT p50 change", "reason"],
             [[c["backend"], SHORT.get(c.get("prompts", SAME), c.get("prompts")), c["batch"], c["claim"],
               "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
-             for c in baseline["cells"]]), ""]
+             for c in baseline["cells"] if "backend" in c]), ""]
+    return out
+
+
+def http_rows(root: Path):
+    """summary.csv's rows of the benchmark over HTTP, or None where it has none."""
+    if not (root / "bench/summary.csv").is_file():
+        return None
+    import pandas as pd
+
+    from workflow.benchstats import by_transport
+
+    rows = by_transport(pd.read_csv(root / "bench/summary.csv"))[1]
+    return rows if len(rows) else None
+
+
+def _ms(r, metric: str) -> str:
+    return " / ".join(f"{getattr(r, f'{metric}_{q}_ms'):.2f}" for q in ("p50", "p95", "p99"))
+
+
+def http_section(root: Path) -> list[str]:
+    """The benchmark over HTTP: each cell's percentiles, then the builtin engine over HTTP beside it in process."""
+    from workflow.benchstats import known
+
+    rows = http_rows(root)
+    if rows is None:
+        return []
+    cfg = read_config(root / "config.yaml")["bench"]
+    cells = [[f"`{r.target}`", SHORT.get(r.prompts, str(r.prompts)), str(int(r.concurrency)),
+              *((_ms(r, m) for m in ("ttft", "tpot", "itl", "e2e")) if not known(r.refused) else
+                [f"no figure: {r.refused}", "", "", ""]),
+              f"{r.output_tok_s:.1f}" if known(r.output_tok_s) else "—",
+              "—" if not known(r.noisy) else "yes" if r.noisy else "no"] for r in rows.itertuples(index=False)]
+    out = [
+        f"### Benchmark over HTTP (streaming /v1/completions; {cfg['new_tokens']} new tokens a request, "
+        f"{cfg['warmup']} warm-up + {cfg['repeats']} measured rounds per cell of C requests sent at once)",
+        "",
+        markdown(["target", "prompts", "C", "TTFT ms p50 / p95 / p99", "TPOT ms p50 / p95 / p99",
+                  "ITL ms p50 / p95 / p99", "E2E ms p50 / p95 / p99", "output tok/s", "noisy"], cells),
+        "",
+        "As vLLM's `bench serve` defines them, timed on the client: TTFT, request sent to its first streamed token; "
+        "ITL, the intervals between its successive streamed events; TPOT, (E2E − TTFT) / (output tokens − 1), per "
+        "request; E2E, request sent to its last token; output tok/s, every output token of a cell over its rounds' "
+        "durations (first request sent to last stream ended). Noisy: the per-round TPOT medians spread more than "
+        "5%, or fewer than 3 rounds (the in-process rule); a noisy cell makes no claim.",
+        "",
+    ]
+    side = rows[rows["inprocess_cell"].notna() | rows["side_by_side_claim"].notna()]
+    if len(side):
+        fmt = lambda v: f"{v:.3f}" if known(v) else "—"  # noqa: E731
+        out += ["The builtin engine in process and over HTTP (its cell of the single backend at batch = C, same "
+                "decode path and prompts); ratios HTTP / in-process, TPOT: vLLM's per-request TPOT over the steady "
+                "decode step; ITL p50 over the in-process steady TPOT p50, interval for interval:", "",
+                markdown(["C", "prompts", "in process", "TPOT p50 ratio", "TTFT p50 ratio", "ITL p50 / TPOT p50",
+                          "claim", "reason"],
+                         [[str(int(r.concurrency)), SHORT.get(r.prompts, str(r.prompts)),
+                           f"`{r.inprocess_cell}`" if known(r.inprocess_cell) else "—",
+                           fmt(r.http_over_inprocess_tpot_p50), fmt(r.http_over_inprocess_ttft_p50),
+                           fmt(r.http_itl_p50_over_inprocess_tpot_p50), str(r.side_by_side_claim),
+                           r.side_by_side_reason if known(r.side_by_side_reason) else ""]
+                          for r in side.itertuples(index=False)]), ""]
+    baseline = read_json(root / "bench/baseline.json")
+    if against := [c for c in baseline["cells"] if "target" in c]:
+        out += [f"Against baseline `{baseline['baseline']}`:", "", markdown(
+            ["cell", "claim", "TPOT p50 change", "reason"],
+            [[f"`{c['cell']}`", c["claim"],
+              "—" if c["tpot_p50_change_pct"] is None else f"{c['tpot_p50_change_pct']:+.1f}%", c["reason"] or ""]
+             for c in against]), ""]
     return out
 
 

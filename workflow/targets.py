@@ -11,9 +11,10 @@ always there and has no entry; the others are:
 Templates are split into words first (shlex), then each word's placeholders are filled: `{python}` (this
 interpreter), `{checkpoint}`, `{dtype}` (the target's), `{device}`, and `{port}` (serve) or `{request}` `{out}`
 (command); a filled path with spaces stays one word. This module owns checking a target before any work
-(`problems`), the server lifecycle (`served`, `engine_server`, `endpoint`), the completions client (`Client`), what
-a server offers (`offers`) and the command runner (`run_command`). It imports neither torch nor the engine: the
-campaign check uses it.
+(`problems`), which targets the HTTP benchmark runs (`bench_targets`: `engine`, the builtin engine through
+`python -m engine.serve`, and `openai` entries), the server lifecycle (`served`, `engine_server`, `endpoint`), the
+completions client (`Client`, streaming too), what a server offers (`offers`) and the command runner
+(`run_command`). It imports neither torch nor the engine: the campaign check uses it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("openai", "command")
+ENGINE = "engine"  # the builtin engine through its own server, as the quality and HTTP bench stages name it
 # names a target may not take: the builtin engine's runs, transformers' bench cells, the quality stage's own targets
 # and its gate file (quality/gsm8k-<target>.json)
-RESERVED = frozenset({run_name(b, k) for b in BACKENDS for k in KERNELS} | set(BENCH_BACKENDS) | {"engine", "gate"})
+RESERVED = frozenset({run_name(b, k) for b in BACKENDS for k in KERNELS} | set(BENCH_BACKENDS) | {ENGINE, "gate"})
 COMMON = {"python", "checkpoint", "dtype", "device"}  # placeholders every template may use
 NEEDS = {"serve": {"port"}, "command": {"request", "out"}}  # and those each kind's template must use
 READY_PATH = "/v1/models"
@@ -126,6 +128,36 @@ def problems(config: dict) -> list[tuple[str, str]]:
     return out
 
 
+def bench_targets(config: dict) -> list[str]:
+    """The targets the HTTP benchmark (stage serve_bench) runs: `bench.http.targets`, or by default the builtin
+    engine and every `openai` entry of `engines:`."""
+    chosen = config["bench"]["http"]["targets"]
+    return list(chosen) if chosen is not None else [ENGINE, *(e["name"] for e in config.get("engines", [])
+                                                              if e["kind"] == "openai")]
+
+
+def bench_problems(config: dict) -> list[tuple[str, str]]:
+    """`bench.http` before any work: each target `engine` or an `openai` entry of `engines:`, each named once, and
+    a prompt for every request in flight where the distinct-prompts contract runs (`bench.prompts`)."""
+    http, out = config["bench"]["http"], []
+    engines = by_name(config)
+    for i, t in enumerate(http["targets"] or []):
+        if t != ENGINE and engines.get(t, {}).get("kind") != "openai":
+            known = [ENGINE, *(n for n, e in engines.items() if e["kind"] == "openai")]
+            out.append((f"bench.http.targets.{i}", f"{t!r} is neither {ENGINE} (the builtin engine through its server) "
+                                                   "nor an `engines:` entry of kind openai"
+                        + (" (a command target takes no HTTP requests)" if t in engines else
+                           f"; the targets here: {', '.join(known)}")))
+    if http["targets"] is not None and len(set(http["targets"])) < len(http["targets"]):
+        out.append(("bench.http.targets", f"a target appears twice: {http['targets']}"))
+    prompts = config["bench"].get("prompts") or []
+    if prompts and len(prompts) < max(http["concurrency"]):
+        out.append(("bench.http.concurrency", f"{len(prompts)} bench.prompts for concurrency up to "
+                                              f"{max(http['concurrency'])}: request r in flight sends prompts[r] (never "
+                                              "cycled); give as many prompts as the largest concurrency, or lower it"))
+    return out
+
+
 def reach_problems(config: dict) -> list[tuple[str, str]]:
     """Each `url` the campaign's stages use must answer GET <url>/models now (EVIDENT_SKIP_ENDPOINT_CHECK=1 skips
     this, for a submit host that cannot reach a server its jobs can)."""
@@ -135,6 +167,8 @@ def reach_problems(config: dict) -> list[tuple[str, str]]:
     used = set(names(config)) if "parity" in stages else set()
     if "quality" in stages:
         used |= {t for t in config["quality"]["targets"] if isinstance(t, str)}
+    if "serve_bench" in stages:
+        used |= set(bench_targets(config))
     return [(f"engines.{i}.url", f"{e['name']}: GET <url>/models failed ({why}); start the server, or set "
                                  "EVIDENT_SKIP_ENDPOINT_CHECK=1 where only the jobs can reach it")
             for i, e in enumerate(config.get("engines", []))
@@ -228,12 +262,15 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
 
 
 @contextlib.contextmanager
-def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = REPO, env: dict | None = None):
+def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = REPO, env: dict | None = None,
+                  kernels: str = "torch"):
     """`python -m engine.serve` of the engine package under `code` (run from there, so that it is the one imported)
-    on a free port of 127.0.0.1: yields (base URL, seconds to ready); always stopped."""
+    on a free port of 127.0.0.1, with the decode path `kernels`: yields (base URL, seconds to ready); always
+    stopped."""
     port = free_port()
     argv = [sys.executable, "-m", "engine.serve", "--checkpoint", str(Path(ckpt).resolve()), "--device", device,
-            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine"]
+            "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine",
+            "--kernels", kernels]
     with served(argv, port, log, "the engine server", cwd=code, env=env) as out:
         yield out
 
@@ -260,7 +297,8 @@ class ServerError(TargetError):
 
 
 class Client:
-    """OpenAI's legacy completions API over urllib: `get`, `complete`, and `complete_all` (concurrent requests)."""
+    """OpenAI's legacy completions API over urllib: `get`, `complete`, `complete_all` (concurrent requests) and
+    `stream` (server-sent events, each with the time it arrived)."""
 
     def __init__(self, base: str, timeout: float = REQUEST_TIMEOUT_S):
         self.base, self.timeout, self.model = base.rstrip("/"), timeout, None
@@ -281,12 +319,36 @@ class Client:
         self.model = data[0]["id"] if data else None
         return self
 
-    def complete(self, body: dict) -> dict:
+    def _request(self, body: dict) -> urllib.request.Request:
         """POST /completions; greedy (temperature 0) unless body says otherwise; the model named where known."""
         body = {"temperature": 0, **({"model": self.model} if self.model else {}), **body}
-        req = urllib.request.Request(f"{self.base}/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        return self._call(req, self.timeout)
+        return urllib.request.Request(f"{self.base}/completions", data=json.dumps(body).encode(),
+                                      headers={"Content-Type": "application/json"})
+
+    def complete(self, body: dict) -> dict:
+        return self._call(self._request(body), self.timeout)
+
+    def stream(self, body: dict, clock=time.perf_counter):
+        """POST /completions with `stream: true`: yields (clock() when the event's line arrived, its JSON) for each
+        server-sent `data:` event until `[DONE]` or the end of the stream. An error status is a ServerError; an
+        event that is not JSON a TargetError."""
+        try:
+            resp = urllib.request.urlopen(self._request({**body, "stream": True}), timeout=self.timeout)
+        except urllib.error.HTTPError as e:
+            raise ServerError(e.code, e.read()[:500].decode(errors="replace")) from e
+        with resp:
+            for line in resp:
+                at = clock()
+                data = line.decode("utf-8", errors="replace").strip()
+                if not data.startswith("data:"):
+                    continue  # the blank line between events, an SSE comment
+                data = data.removeprefix("data:").strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    yield at, json.loads(data)
+                except ValueError:
+                    raise TargetError(f"a streamed event is not JSON: {data[:200]!r}") from None
 
     def complete_all(self, bodies: list[dict]) -> list[dict]:
         """The bodies sent at once, one connection each (a server that batches may batch them), in order."""

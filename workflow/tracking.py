@@ -17,7 +17,9 @@ without opening a child (all read from the stage records, bench cells and env.js
   `bench.<backend><path>-b<B>.tpot_p50_ms` and `.tok_s` per bench cell, named as `runs.label` names a run
   (`bench.single-b1`, `bench.single-graph-b8`, `bench.hf-b8`: the path suffix is empty for torch; a distinct-prompts
   cell `bench.single-graph-distinct-b8`), from
-  the cell's steady TPOT p50 and decode tok/s; `parity.cells`, `parity.cells_exact` (the compare record);
+  the cell's steady TPOT p50 and decode tok/s; `bench.http-<target>-c<C>.tpot_p50_ms`, `.ttft_p50_ms` and `.tok_s`
+  per cell of the benchmark over HTTP (runs.http_cell; its output tok/s), from the serve_bench records;
+  `parity.cells`, `parity.cells_exact` (the compare record);
   `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
   median ratio per timing envelope, `warm` and `scrubbed`, of the built-in screen; `overlap.<screen>.<envelope>.
   b_over_a` of each of the campaign's `screens`). Only records with status ok count.
@@ -140,17 +142,20 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
     ok = {r["name"]: r for r in records if r.get("status") == "ok"}
     kernels = (config.get("bench") or {}).get("kernels") or "torch"
     for rec in ok.values():
-        if not rec["name"].startswith("bench-"):
+        if not rec["name"].startswith(("bench-", "serve_bench-")):
             continue
         for f in rec.get("files", []):
             if not (f.startswith("bench/") and f.endswith(".json") and (root / f).is_file()):
                 continue
             cell = read_json(root / f)
-            if not (isinstance(cell, dict) and {"backend", "batch"} <= cell.keys() and isinstance(cell.get("stats"), dict)):
-                continue  # not a cell (a stage may write others beside)
+            if not (isinstance(cell, dict) and isinstance(cell.get("stats"), dict)
+                    and (runs.is_http(cell) or {"backend", "batch"} <= cell.keys())):
+                continue  # not a cell (a stage may write others beside), or an HTTP cell without a figure
             name = f"bench.{_name(runs.cell_label(cell, kernels))}"
+            if runs.is_http(cell):
+                metrics[f"{name}.ttft_p50_ms"] = (cell["stats"].get("ttft") or {}).get("p50")
             metrics[f"{name}.tpot_p50_ms"] = (cell["stats"].get("tpot") or {}).get("p50")
-            metrics[f"{name}.tok_s"] = cell["stats"].get("decode_tok_s")
+            metrics[f"{name}.tok_s"] = cell["stats"].get("decode_tok_s", cell["stats"].get("output_tok_s"))
     m = ok.get("compare", {}).get("metrics", {})
     metrics.update({f"parity.{k}": m[k] for k in ("cells", "cells_exact") if k in m})
     m = ok.get("quality", {}).get("metrics", {})

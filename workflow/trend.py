@@ -10,7 +10,8 @@ sealed evidence directories, with the regressions beyond the noise flagged as `e
 - A cell: one bench file `bench/<backend>-b<B>.json`, named as evidence names runs, `<run name>-b<B>`
   (workflow/runs.py: `single-b8`, `single-graph-b8`, `hf-b1`, a distinct-prompts cell `single-distinct-b8`); a
   record without `kernels` is the torch path, one without a prompt contract same-prompt. As in workflow/diff.py, two
-  decode paths, or the two prompt contracts, at one backend and batch are two cells.
+  decode paths, or the two prompt contracts, at one backend and batch are two cells. A cell of the benchmark over
+  HTTP, `bench/http-<target>-c<C>.json`, is its own (`http-engine-c4`); its tok/s is its output tok/s.
 - The band: for TPOT p50, the min and max of the cell's per-repeat TPOT p50s (`stats.repeat_tpot_p50`, the
   spread the noise rule reads); for tok/s, the min and max of the per-repeat decode tok/s, recomputed from the
   cell's raw `repeats` by `benchstats.tok_s`, as the cell's own. A cell
@@ -37,7 +38,7 @@ from pathlib import Path
 from workflow import archive, benchstats, diff
 from workflow.evidence import commit_history, write_text
 from workflow.gates import GATES
-from workflow.runs import cell_prompts, label_key
+from workflow.runs import is_http, label_key
 from workflow.terminal import pct, split_table, table, wrap
 from workflow.trend_plot import plot
 
@@ -50,6 +51,7 @@ OUT = "_trends"
 ERROR = 2
 
 COLUMNS = ["campaign", "order", "evidence", "commit", "created_utc", "cell", "backend", "kernels", "prompts", "batch",
+           "target", "concurrency",
            "metric", "value", "band_lo", "band_hi", "spread", "noisy", "baseline", "tpot_p50_change_pct",
            "tok_s_change_pct", "claim", "regression", "reason"] + [f"gate_{g.name}" for g in GATES]
 REGRESSION = "slower"
@@ -104,9 +106,10 @@ def _values(cell: dict, metric: str) -> tuple[float | None, float | None, float 
         band = stats.get("repeat_tpot_p50")
         band = [diff.number(v) for v in band] if isinstance(band, list) else []
     else:
-        value = diff.number(stats.get("decode_tok_s"))
+        value = diff.tok_s(cell)
         try:
-            band = [diff.number(benchstats.tok_s(int(cell["batch"]), rep["steady_ms"]))
+            band = [diff.number(benchstats.round_tok_s(rep) if is_http(cell) else
+                                benchstats.tok_s(int(cell["batch"]), rep["steady_ms"]))
                     for rep in cell.get("repeats") or []]
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             band = []
@@ -162,9 +165,11 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
                 against = last[0] if last else ""
                 prev[name] = (ev.id, cell)
             stats = cell.get("stats") if isinstance(cell.get("stats"), dict) else {}
-            rows.append({**base, "cell": name, "backend": str(cell.get("backend")),
-                         "kernels": str(cell.get("kernels", "torch")), "prompts": cell_prompts(cell),
-                         "batch": cell.get("batch"),
+            try:
+                what = diff.identity(cell)
+            except (KeyError, TypeError, ValueError):
+                what = {}
+            rows.append({**base, "cell": name, **what,
                          "metric": metric, "value": value, "band_lo": lo, "band_hi": hi,
                          "spread": diff.number(stats.get("spread")),
                          "noisy": bool(stats.get("noisy", True)) if "noisy" in stats else None,

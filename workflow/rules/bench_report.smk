@@ -1,7 +1,8 @@
-# The benchmark table, plot and the comparison against a baseline.
+# The benchmark table, plot and the comparison against a baseline; the HTTP cells (serve_bench.smk) beside the
+# in-process ones.
 rule bench_report:
     input:
-        cells=BENCH,
+        cells=BENCH + HTTP_BENCH,
     output:
         csv=f"{E}/bench/summary.csv",
         plot=f"{E}/plots/bench.png",

@@ -7,6 +7,7 @@ STAGE_OUTPUTS = {
     "oracle": rules.oracle.output,
     "parity": rules.compare.output,
     "bench": rules.bench_report.output,
+    "serve_bench": rules.bench_report.output,  # the HTTP cells are reported, and set beside the in-process ones, there
     "overlap": rules.overlap.output.screen,
     "kernel_audit": rules.kernel_audit.output,
     "quality": rules.quality.output.gate,

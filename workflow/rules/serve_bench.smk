@@ -1,0 +1,28 @@
+# The benchmark over HTTP, one job per target (`engine`, the builtin engine through its own server, and `openai`
+# entries of `engines:`): a cell per concurrency and prompt contract; bench_report.smk puts the builtin engine's beside
+# its in-process cells.
+rule serve_bench:
+    input:
+        ckpt=CKPT,
+        record=rules.record_checkpoint.output,
+        env=rules.context.output.env,
+    output:
+        [f"{E}/bench/{runs.http_cell('{target}', c, p)}.json" for p in runs.bench_contracts(config["bench"])
+         for c in config["bench"]["http"]["concurrency"]],
+    wildcard_constraints:
+        target="|".join(map(re.escape, HTTP_TARGETS)) or "(?!)",
+    # a timing run: no other job beside it (bench.smk says how); a server started here holds the GPU
+    threads: ALONE
+    resources:
+        **job_resources(gpu=http_gpus),
+    params:
+        py=lambda wildcards: on_gpus(http_gpus(wildcards)),
+        ev=evidence_dir,
+        spec=lambda wildcards: shlex.quote(json.dumps(HTTP_TARGETS[wildcards.target])),
+    log:
+        f"{E}/logs/serve_bench-{{target}}.log",
+    benchmark:
+        f"{E}/logs/serve_bench-{{target}}.benchmark.tsv"
+    shell:
+        "{params.py} -m workflow.stages.serve_bench --checkpoint {input.ckpt} --evidence {params.ev} "
+        "--spec {params.spec} 2>&1 | tee {log}"

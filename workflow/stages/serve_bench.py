@@ -1,0 +1,199 @@
+"""Stage `serve_bench`: the benchmark over HTTP, one target a job, a cell per concurrency and prompt contract.
+
+A target (`bench.http.targets`, workflow.targets.bench_targets) is `engine`, the builtin engine through
+`python -m engine.serve` on the campaign's device, dtype and decode path (`bench.kernels`), or an `openai` entry of
+`engines:` (its url, or its serve command started here). For each concurrency C of `bench.http.concurrency`:
+`bench.warmup` warm-up rounds, then `bench.repeats` measured rounds, each of C streaming /v1/completions requests
+sent at once (C threads released together), every one asking exactly `bench.new_tokens` tokens (max_tokens, and
+vLLM's ignore_eos where the server takes it: `probe`). The client times each request as vLLM's `bench serve` does
+(workflow.benchstats.request_metrics: TTFT, ITL, TPOT, end-to-end latency) and counts its output tokens from the
+stream's usage (or, where the server sends none, by the checkpoint's tokenizer, as vLLM does). The prompt contracts
+are the in-process bench's: `bench.prompt` on every request, and where the campaign gives `bench.prompts`, request r
+of a round sends prompts[r] (cells `http-<target>-distinct-c<C>`). A cell whose requests did not each give
+new_tokens tokens, or did not stream them, is written with its raw requests and `refused` (why): no figure.
+bench_report puts the builtin engine's cells beside its in-process cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from workflow import checkpoints, environment, targets
+from workflow.benchstats import BenchError, summarize_http
+from workflow.evidence import Stage, read_config, read_json, sha256_bytes, stage_args
+from workflow.privacy import scrub
+from workflow.runs import SAME, SHORT, bench_contracts, http_cell
+
+BUILTIN = "builtin"  # the kind recorded for the builtin engine's target
+USAGE = {"stream_options": {"include_usage": True}}
+# what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
+EXTRAS = ({"ignore_eos": True, **USAGE}, USAGE, {})
+BARRIER_S = 60  # a round's threads wait at most this long for each other
+
+
+@contextlib.contextmanager
+def target_url(spec: dict, ckpt: Path, dtype: str, device: str, kernels: str, log: Path):
+    """The target's base URL: the builtin engine's server started here, or the `openai` entry's url or server."""
+    if spec["kind"] == BUILTIN:
+        with targets.engine_server(ckpt, device, dtype, log, kernels=kernels) as (base, _):
+            yield base
+    else:
+        with targets.endpoint(spec, ckpt, dtype, device, log) as base:
+            yield base
+
+
+def probe(client: targets.Client, prompt: str) -> dict:
+    """The extras the server takes (EXTRAS, best first), found with one short untimed streaming request: a 4xx
+    answers no, a 5xx is an error."""
+    for extra in EXTRAS:
+        try:
+            for _ in client.stream({"prompt": prompt, "max_tokens": 2, **extra}):
+                pass
+            return extra
+        except targets.ServerError as e:
+            if e.status >= 500 or not extra:
+                raise
+    raise AssertionError("unreachable: the last extra is none")
+
+
+def one_request(client: targets.Client, body: dict, start: threading.Barrier, tok: Tokenizer) -> dict:
+    """One streamed request, sent when every thread of its round is ready: each event that carries a choice, in ms
+    after sending (`chunk_ms`), and its output tokens (`counted_by`: the server's usage, else the tokenizer)."""
+    start.wait(BARRIER_S)
+    sent = time.perf_counter()
+    chunks, texts, usage = [], [], None
+    for at, event in client.stream(body):
+        if "error" in event:
+            raise targets.TargetError(f"the server sent an error in its stream: {json.dumps(event['error'])[:300]}")
+        if choices := event.get("choices"):
+            chunks.append((at - sent) * 1e3)
+            texts.append(choices[0].get("text") or "")
+        if (event.get("usage") or {}).get("completion_tokens") is not None:
+            usage = int(event["usage"]["completion_tokens"])
+    end = time.perf_counter()
+    counted = {"output_tokens": usage, "counted_by": "usage"} if usage is not None else {
+        "output_tokens": len(tok.encode("".join(texts), add_special_tokens=False).ids), "counted_by": "tokenizer"}
+    return {"chunk_ms": chunks, **counted, "sent": sent, "end": end}
+
+
+def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict], tok: Tokenizer) -> dict:
+    """len(bodies) requests at once: each as one_request records it, and the round's duration (first sent to last
+    stream's end)."""
+    start = threading.Barrier(len(bodies))
+    reqs = list(pool.map(lambda b: one_request(client, b, start, tok), bodies))
+    duration = (max(r.pop("end") for r in reqs) - min(r["sent"] for r in reqs)) * 1e3
+    for r in reqs:
+        r.pop("sent")
+    return {"duration_ms": duration, "requests": reqs}
+
+
+def prompt_texts(bench: dict, concurrency: int, prompts: str) -> list[str]:
+    """Each request's prompt: bench.prompt on every one, or bench.prompts[r] on request r."""
+    return [bench["prompt"]] * concurrency if prompts == SAME else list(bench["prompts"][:concurrency])
+
+
+def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concurrency: int, extra: dict,
+             dtype: str, device: str | None) -> dict:
+    """What a cell measured, with the in-process bench's prompt keys (workflow.stages.bench), so that the builtin
+    engine's cells stand beside its in-process ones (benchstats.SIDE_BY_SIDE_KEYS)."""
+    ids = [tok.encode(t).ids for t in texts]  # as engine.serve and the in-process bench encode a text prompt
+    what = ({"prompt_sha256": sha256_bytes(texts[0].encode()), "prompt_tokens": len(ids[0])} if prompts == SAME else
+            {"prompts_sha256": sha256_bytes(json.dumps(texts).encode()), "prompt_tokens": [len(i) for i in ids]})
+    return {"prompts": prompts, **what, "new_tokens": bench["new_tokens"], "warmup": bench["warmup"],
+            "repeats": bench["repeats"], "concurrency": concurrency, "api": "/v1/completions, stream: true, greedy",
+            "request_extras": sorted(extra), "timer": "perf_counter on the client, at each server-sent event",
+            "dtype": dtype, "device": device}
+
+
+def bench_cell(client: targets.Client, bench: dict, concurrency: int, prompts: str, extra: dict, tok: Tokenizer,
+               log) -> dict:
+    """Warm-up and measured rounds of one cell, and its statistics (None, with `refused`, where it has none)."""
+    bodies = [{"prompt": t, "max_tokens": bench["new_tokens"], **extra}
+              for t in prompt_texts(bench, concurrency, prompts)]
+    with ThreadPoolExecutor(concurrency) as pool:
+        warmups = [round_of(pool, client, bodies, tok)["duration_ms"] for _ in range(bench["warmup"])]
+        repeats = []
+        for r in range(bench["repeats"]):
+            repeats.append(round_of(pool, client, bodies, tok))
+            log(f"c{concurrency} {SHORT[prompts]}: round {r + 1}/{bench['repeats']} {repeats[-1]['duration_ms']:.1f} ms")
+    try:
+        stats, refused = summarize_http(repeats, concurrency, bench["new_tokens"]), None
+    except BenchError as e:
+        stats, refused = None, str(e)
+        log(f"c{concurrency} {SHORT[prompts]}: no figure: {refused}")
+    return {"repeats": repeats, "warmup_duration_ms": warmups, "stats": stats, "refused": refused}
+
+
+def run(ckpt: Path, evidence: Path, spec: dict) -> None:
+    config = read_config(evidence / "config.yaml")
+    bench, name, kind = config["bench"], spec["name"], spec["kind"]
+    device = environment.resolve_device(config["device"])
+    dtype = spec.get("dtype") or config["dtype"]
+    builtin = kind == BUILTIN
+    where = device if builtin or "serve" in spec else None  # a url's server runs wherever it runs
+    params = {"target": name, "kind": kind, "concurrency": bench["http"]["concurrency"], "dtype": dtype,
+              "device": where, **({"kernels": bench["kernels"]} if builtin else {})}
+    with Stage(evidence, f"serve_bench-{name}", params=params) as st:
+        checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
+        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        env = read_json(evidence / "env.json")
+        versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
+        model = {n: f["sha256"] for n, f in read_json(evidence / "checkpoint.json")["files"].items()}
+        server_log = evidence / f"logs/serve_bench-{name}-server.log"
+
+        def log(msg: str) -> None:
+            print(f"[serve_bench {name}] {msg}", flush=True)
+
+        t0 = time.perf_counter()
+        with target_url(spec, ckpt, dtype, device, bench["kernels"], server_log) as base:
+            client = targets.Client(base).connect()
+            ready_s = time.perf_counter() - t0
+            extra = probe(client, bench["prompt"])
+            log(f"{'started' if builtin or 'serve' in spec else 'at its url'}, ready after {ready_s:.1f}s; "
+                f"request extras: {sorted(extra) or 'none'}")
+            for prompts in bench_contracts(bench):
+                for c in bench["http"]["concurrency"]:
+                    texts = prompt_texts(bench, c, prompts)
+                    cell = bench_cell(client, bench, c, prompts, extra, tok, log)
+                    label = http_cell(name, c, prompts)
+                    st.write_json(f"bench/{label}.json", {
+                        "target": name, "kind": kind, "concurrency": c,
+                        **({"kernels": bench["kernels"]} if builtin else {}), "dtype": dtype, "device": where,
+                        "contract": contract(bench, texts, tok, prompts, c, extra, dtype, where),
+                        "server": {"ready_s": round(ready_s, 3), "model": scrub(str(client.model)),
+                                   "started": "here" if builtin or "serve" in spec else "url"},
+                        **cell, "versions": versions, "model": model})
+                    if (s := cell["stats"]) is not None:
+                        key = f"c{c}" if prompts == SAME else f"distinct_c{c}"
+                        st.metrics.update({f"{key}_{m}_p50_ms": s[m]["p50"] for m in ("ttft", "tpot", "itl", "e2e")})
+                        st.metrics[f"{key}_output_tok_s"] = s["output_tok_s"]
+                        log(f"{label}: TTFT p50 {s['ttft']['p50']:.2f} ms, TPOT p50 {s['tpot']['p50']:.3f} ms, "
+                            f"ITL p50 {s['itl']['p50']:.3f} ms, {s['output_tok_s']:.1f} output tok/s"
+                            + (f" (noisy: {s['noise_reason']})" if s["noisy"] else ""))
+        if server_log.is_file():
+            st.add_file(server_log)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap: argparse.ArgumentParser = stage_args(__doc__, checkpoint=True)
+    ap.add_argument("--spec", required=True, type=json.loads,
+                    help=f'the target: {{"name": "{targets.ENGINE}", "kind": "{BUILTIN}"}} or an `engines:` entry of '
+                         "kind openai, as JSON")
+    args = ap.parse_args(argv)
+    try:
+        run(args.checkpoint, args.evidence, args.spec)
+    except (targets.TargetError, checkpoints.CheckpointInvalid, OSError) as e:
+        sys.exit(f"[serve_bench {args.spec.get('name')}] error: {e}")
+
+
+if __name__ == "__main__":
+    main()
