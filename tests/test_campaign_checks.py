@@ -392,5 +392,5 @@ def test_a_campaign_runs_only_its_stages(tmp_path):
     assert gate["verdicts"] == {"parity": None, "overlap": None, "audit": None, "quality": "no_claim"}
     assert gate["not_run"] == ["parity", "overlap", "audit"] and gate["advisory"] == ["quality"]
     summary = (ev / "SUMMARY.md").read_text()
-    assert "Stages not run (the campaign's `stages:`): oracle, parity, bench, overlap, kernel_audit, profile." in summary
+    assert "Stages not run (the campaign's `stages:`): oracle, parity, bench, serve_bench, overlap, kernel_audit, profile." in summary
     assert "Parity verdict" not in summary and "### GSM8K quality gate" in summary

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
 PROMPTS = ["Hello, evident!", "Question: what is 2 + 3?\nAnswer:"]
 BENCH = {**tinyev.defaults(SCHEMA["bench"]), "new_tokens": 4, "warmup": 1, "repeats": 3,
-         "prompts": PROMPTS,  # bench.prompts (the distinct-prompts contract; its schema entry is another branch's)
+         "prompts": PROMPTS,  # the distinct-prompts contract beside the same-prompt one
          "http": {"concurrency": [1, 2], "targets": None}}
 BUILTIN = {"name": "engine", "kind": "builtin"}
 TRANSFORMERS_SERVE = ("{python} -m transformers.cli.transformers serve {checkpoint} --host 127.0.0.1 --port {port} "
@@ -148,7 +148,7 @@ def test_bench_report_sets_the_engines_http_cells_beside_its_in_process_ones(tmp
     assert http[("engine", 1)]["inprocess_cell"] == "single-b1" and http[("engine", 1)]["http_over_inprocess_tpot_p50"] == 2.0
     assert http[("engine", 1)]["side_by_side_claim"] == "slower"
     assert "within noise" in http[("engine", 2)]["side_by_side_reason"]
-    assert http[("engine", 4)]["side_by_side_reason"] == "no in-process single-b4 cell of this prompt contract"
+    assert http[("engine", 4)]["side_by_side_reason"] == "no in-process single-b4 cell"
     assert pd.isna(http[("remote", 1)]["inprocess_cell"])  # only the builtin engine's cells have one
     record = read_json(ev / "stages/bench_report.json")
     assert record["metrics"]["http-engine-c1.http_over_inprocess.tpot_p50_ratio"] == 2.0
@@ -355,12 +355,9 @@ def test_a_bad_http_bench_is_refused_naming_it(over, where, why):
 
 
 def test_distinct_prompts_need_one_a_request_in_flight():
-    # bench.prompts' schema entry is another branch's: the check itself, on the config it will see
-    cfg = overridden(BASE, **{"bench.prompts": PROMPTS, "bench.http": {"concurrency": [1, 4], "targets": None}})
-    problems = targets.bench_problems(cfg)
-    assert [k for k, _ in problems] == ["bench.http.concurrency"]
-    assert "2 bench.prompts for concurrency up to 4" in problems[0][1]
-    assert targets.bench_problems(overridden(cfg, **{"bench.http.concurrency": [1, 2]})) == []
+    prompts = BASE["bench"]["prompts"]  # the default campaign's, as many as its largest batch
+    err = rejected(overridden(BASE, **{"bench.http.concurrency": [1, len(prompts) + 1]}))
+    assert "`bench.http.concurrency`" in err and f"{len(prompts)} bench.prompts for concurrency up to" in err
 
 
 def test_the_http_bench_brings_the_in_process_bench_and_reaches_its_urls():

@@ -190,7 +190,7 @@ def campaign(**over) -> dict:
 def test_the_shipped_v4_campaign_is_valid_and_runs_every_stage():
     cfg = campaign()
     validate_campaign(cfg, SCHEMA)
-    assert cfg["stages"] == ["oracle", "parity", "bench", "overlap", "kernel_audit", "quality", "profile"]
+    assert cfg["stages"] == ["oracle", "parity", "bench", "serve_bench", "overlap", "kernel_audit", "quality", "profile"]
     assert cfg["checkpoint"]["config"] == V4_TINY and "base" not in cfg["checkpoint"]
     assert cfg["device"] == "cpu" and cfg["dtype"] == "float32" and cfg["parity"]["require_exact"]
     assert set(cfg["bench"]["backends"]) == {"single", "hf"} and cfg["quality"]["targets"] == ["hf", "engine"]
