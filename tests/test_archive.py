@@ -501,9 +501,9 @@ def test_cli_on_pipeline_evidence(pipeline, tmp_path):
         r = run_evident(wd, "diff", ev.name, other.name, "--json")
         assert r.returncode == 0, r.stderr
         d = json.loads(r.stdout)
-        claims = {(c["backend"], c["batch"]): c for c in d["bench"]}
-        assert claims[("single", 1)]["claim"] == "no directional claim"
-        assert "contract differs (keys new_tokens)" in claims[("single", 1)]["reason"]
+        claims = {c["cell"]: c for c in d["bench"]}  # by label: single-b1 and single-distinct-b1 are two cells
+        assert claims["single-b1"]["claim"] == "no directional claim"
+        assert "contract differs (keys new_tokens)" in claims["single-b1"]["reason"]
         assert all(c["claim"] in ("faster", "slower", "no directional claim") for c in d["bench"])
         assert d["verdicts"] == [] and d["limits"] == []
         r = run_evident(wd, "diff", ev.name, other.name)

@@ -66,15 +66,15 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
     r = smk(tmp_path / "cpu", "-n", "-p", "--workflow-profile", str(REPO / "workflow/profiles/local"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     jobs = dry_jobs(r.stdout)
-    assert len(jobs) == 18 and len({j["rule"] for j in jobs}) == 15, sorted(j["rule"] for j in jobs)
+    assert len(jobs) == 19 and len({j["rule"] for j in jobs}) == 16, sorted(j["rule"] for j in jobs)
     for j in jobs:
         assert j["resources"]["gpu"] == "0" and "gpu_model" not in j["resources"], j
         assert {"cpus_per_task", "mem_mb", "runtime"} <= set(j["resources"]), j
         assert "workflow.gpus" not in j["shell"], j
         # the CPU runs Triton's interpreter, whose switch Triton reads when torch first imports it
-        if j["rule"] in ("parity", "bench", "overlap", "profile", "quality"):
+        if j["rule"] in ("parity", "bench", "serve_bench", "overlap", "profile", "quality"):
             assert "TRITON_INTERPRET=1 " in j["shell"], j
-    bench = [j for j in jobs if j["rule"] == "bench"]
+    bench = [j for j in jobs if j["rule"] in ("bench", "serve_bench")]
     assert {j["resources"]["cpus_per_task"] for j in bench} == {str(os.cpu_count())}  # a timing run: all cores
 
     # an EP2 campaign on GPUs (submitted from a machine without one): an EP stage asks for 2 GPUs, a single-device

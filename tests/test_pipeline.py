@@ -46,7 +46,7 @@ def campaign(tmp: Path, **overrides) -> Path:
            "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 8}],
            "parity": {"batch_sizes": [1, 3], "backends": ["single"]},
            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0,
-                     "prompts": ["Hi"]},
+                     "prompts": ["Hi"], "http": {"concurrency": [1]}},
            # the schema's GSM8K defaults (64 rows, 5 shots) do not fit the embedded set and the tiny context
            "quality": {"targets": ["hf", "engine"], "reference": "hf", "advisory": True,
                        "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}}}
@@ -305,7 +305,8 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     command = f"{{python}} {REPO / 'tests/command_engine.py'} --checkpoint {{checkpoint}} --dtype {{dtype}} {{request}} {{out}}"
     with targets.engine_server(ckpt, "cpu", "float32", tmp_path / "logs/served.log") as (url, _):
         cfg = campaign(tmp_path, **{"stages": ["parity", "serve_bench", "quality"], "parity.batch_sizes": [1, 2],
-                                    "bench.batch_sizes": [1, 2], "bench.http": {"concurrency": [1, 2]},
+                                    "bench.batch_sizes": [1, 2], "bench.prompts": ["Hi", "Hello, evident!"],
+                                    "bench.http": {"concurrency": [1, 2]},
                                     "engines": [{"name": "remote", "kind": "openai", "url": url},
                                                 {"name": "mine", "kind": "command", "command": command}],
                                     "quality.targets": ["hf", "remote"]})
@@ -324,8 +325,9 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     for target in ("engine", "remote"):  # the builtin engine's server and the URL: every concurrency
         assert all((ev / f"bench/http-{target}-c{c}.json").is_file() for c in (1, 2)), target
     side = [r for r in csv.DictReader((ev / "bench/summary.csv").open()) if r["transport"] == "http"]
-    assert {(r["target"], r["inprocess_cell"]) for r in side} == {("engine", "single-b1"), ("engine", "single-b2"),
-                                                                    ("remote", "")}
+    assert {(r["target"], r["inprocess_cell"]) for r in side} == {  # each prompt contract beside its own
+        ("engine", "single-b1"), ("engine", "single-b2"), ("engine", "single-distinct-b1"),
+        ("engine", "single-distinct-b2"), ("remote", "")}
     assert "### Benchmark over HTTP" in summary and "| `remote` | same | 2 |" in re.sub(" +", " ", summary)
     gate = json.loads(next((tmp_path / "wd/.evident/gates/e2e").glob("*.json")).read_text())
     assert gate["parity_targets"] == {"remote": {"verdict": "all_token_text_exact", "level": "token"},

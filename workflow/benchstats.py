@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http
+from workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http, label_key
 from workflow.traces import markdown
 
 NOISE = 0.05
@@ -412,12 +412,9 @@ def http_frame(http_cells: list[dict], pairs: dict[str, tuple[str, dict]]):
     side_by_side)), the side by side."""
     import pandas as pd
 
-    from workflow.runs import label_key
-
     rows = []
-    for cell in sorted(http_cells, key=lambda c: label_key(cell_label(c))):
+    for label, cell in sorted(((cell_label(c), c) for c in http_cells), key=lambda lc: label_key(lc[0])):
         s = cell.get("stats") or {}
-        label = cell_label(cell)
         inproc, side = pairs.get(label, (None, {}))
         rows.append({
             "transport": OVER_HTTP, "target": cell["target"], "prompts": cell_prompts(cell),

@@ -32,7 +32,8 @@ CAMPAIGN = {"campaign": "faults", "device": "cpu", "checkpoint": tinyev.syntheti
             "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 6},
                       {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 4}],
             "parity": {"batch_sizes": [1, 2], "backends": ["single"]},
-            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
+            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0,
+                      "http": {"concurrency": [1]}},
             "overlap": {"inputs": 4},
             # the engine endpoint has its own tests; a reference alone compares nothing: no_claim, advisory
             "quality": {"targets": ["hf"], "reference": "hf", "advisory": True,
