@@ -291,8 +291,8 @@ def test_default_campaign_on_slurm_equals_the_local_run(slurm, tmp_path_factory)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-3000:]
     out = r.stdout + r.stderr
     submitted = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
-    # all 18 jobs but the cached checkpoint and the two local rules (gate, archive) went through sbatch
-    assert len(submitted) == 15, out[-3000:]
+    # all 19 jobs but the cached checkpoint and the two local rules (gate, archive) went through sbatch
+    assert len(submitted) == 16, out[-3000:]
 
     a, b = sealed(local), sealed(remote)
     assert a.name == b.name  # same code, same config, same evidence id
