@@ -153,6 +153,20 @@ def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], ar
     return out, src
 
 
+def enable_decode_path(model, kernels: str):
+    """The decode path a stage or the server runs: `torch` ops as loaded, the Triton kernels
+    (engine.decode_kernels) or the CUDA-graph step (engine.graph_decode); returns the model."""
+    if kernels == "triton":
+        from . import decode_kernels
+
+        decode_kernels.enable(model)
+    elif kernels == "graph":
+        from . import graph_decode
+
+        graph_decode.enable(model)
+    return model
+
+
 def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
                ep: ExpertParallel | None = None) -> Transformer:
     """Build a Transformer (a V4Transformer for DeepSeek-V4) from ``ckpt_dir`` (config.json + safetensors). Router

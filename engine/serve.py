@@ -474,22 +474,14 @@ KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNEL
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
                 kernels: str = "torch") -> Engine:
-    from .checkpoint import eos_ids, load_model
+    from .checkpoint import enable_decode_path, eos_ids, load_model
 
     if backend != "single":
         raise SystemExit("engine.serve: only the single-device backend is served")
     if kernels != "torch" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(f"engine.serve: --kernels {kernels} on a CPU runs Triton's interpreter: set "
                          "TRITON_INTERPRET=1 in the environment before Python starts")
-    model = load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype))
-    if kernels == "triton":
-        from . import decode_kernels
-
-        decode_kernels.enable(model)
-    elif kernels == "graph":
-        from . import graph_decode
-
-        graph_decode.enable(model)
+    model = enable_decode_path(load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype)), kernels)
     tok = Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
     return Engine(model, tok, eos_ids(ckpt_dir), model_id or os.path.basename(os.path.normpath(ckpt_dir)),
                   max_batch, window_s)

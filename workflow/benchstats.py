@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workflow.evidence import read_json
 from workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http, label_key
 from workflow.traces import markdown
 
@@ -70,6 +71,15 @@ IN_PROCESS, OVER_HTTP = "in-process", "http"
 SIDE_BY_SIDE_KEYS = ("prompt_sha256", "prompts_sha256", "prompt_tokens", "new_tokens", "dtype", "device")
 """What the builtin engine's HTTP cell and its in-process cell must share to stand side by side (the rest of their
 contracts, the timer and the transport above all, differ by design)."""
+
+
+
+def measured_with(evidence: Path) -> tuple[dict, dict]:
+    """What a bench cell records it ran on: the package versions and device of env.json, and the checkpoint's file
+    hashes (a claim across cells needs both equal)."""
+    env = read_json(evidence / "env.json")
+    versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
+    return versions, {n: f["sha256"] for n, f in read_json(evidence / "checkpoint.json")["files"].items()}
 
 
 class BenchError(ValueError):

@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -80,13 +82,14 @@ def validate_campaign(config: dict, schema: str) -> None:
     if isinstance(spec, dict) and spec.get("source") == "trained":
         spec.setdefault("train", {})  # so that the schema fills its defaults in, for this source only
     problems += schema_problems(config, schema)
+    own = own_directory(config, Path(schema).resolve().parents[1])
     if not problems:  # the checks below rely on the schema's types and defaults
         resolve_stages(config)
         model = resolve_model(config, problems)
         problems += check_inputs(config, model)
         problems += estimate.size_problems(config, model)
-        problems += check_baseline(config, Path(schema).resolve().parents[1])
-    if not problems and not own_sealed(config, Path(schema).resolve().parents[1]):  # nothing runs: nothing to reach
+        problems += check_baseline(config, own)
+    if not problems and not own_sealed(config, own):  # nothing runs: nothing to reach
         problems += targets.reach_problems(config)
     if problems:
         raise WorkflowError(report(problems))
@@ -355,25 +358,30 @@ def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]
     return out
 
 
-def own_directory(config: dict, code_dir: Path) -> Path | None:
-    """The run's own evidence directory, its id derived as common.smk derives it; None while its campaign has none."""
+def own_directory(config: dict, code_dir: Path) -> Callable[[], Path | None]:
+    """The run's own evidence directory, its id derived as common.smk derives it (None while its campaign has none),
+    as a call that derives it once, where a check first asks (a git call, and the hash of the user's screens)."""
     from workflow import archive
     from workflow.evidence import evidence_id, git_state
 
-    home = archive.ROOT / config["campaign"]
-    return home / evidence_id(git_state(code_dir), evidence_config(config), config["repeat"]) if home.is_dir() else None
+    @functools.cache
+    def own() -> Path | None:
+        home = archive.ROOT / config["campaign"]
+        return home / evidence_id(git_state(code_dir), evidence_config(config), config["repeat"]) if home.is_dir() else None
+
+    return own
 
 
-def own_sealed(config: dict, code_dir: Path) -> bool:
+def own_sealed(config: dict, own: Callable[[], Path | None]) -> bool:
     """Whether the run's own directory is sealed (then nothing runs and the gate only reads it). Asked only where it
     matters: a campaign with an engine target's URL (a git call)."""
     if not any("url" in e for e in config.get("engines", [])):
         return False
-    own = own_directory(config, code_dir)
+    own = own()
     return own is not None and (own / MANIFEST).is_file()
 
 
-def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
+def check_baseline(config: dict, own: Callable[[], Path | None]) -> list[tuple[str, str]]:
     """bench.baseline must name a sealed directory now, resolved as the bench_report stage resolves it (which leaves
     out the run's own directory: its id is derived here as common.smk derives it)."""
     ref = config["bench"]["baseline"]
@@ -381,7 +389,7 @@ def check_baseline(config: dict, code_dir: Path) -> list[tuple[str, str]]:
         return []
     from workflow import archive
 
-    home, own = archive.ROOT / config["campaign"], own_directory(config, code_dir)
+    home, own = archive.ROOT / config["campaign"], own()
     if own is not None and (own / MANIFEST).is_file():
         return []  # sealed: nothing runs, the gate only reads it
     try:

@@ -16,10 +16,13 @@ no label of it is an in-process cell's.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import yaml
+
+from workflow.evidence import sha256_bytes
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
 _PROPERTIES = yaml.safe_load(SCHEMA.read_text())["properties"]
@@ -75,10 +78,24 @@ def bench_contracts(bench: dict) -> tuple[str, ...]:
     return (SAME, DISTINCT) if bench.get("prompts") else (SAME,)
 
 
+def prompt_texts(bench: dict, rows: int, prompts: str) -> list[str]:
+    """Each row's (or request's) prompt under a contract: bench.prompt on every one, or bench.prompts[r] on row r."""
+    return [bench["prompt"]] * rows if prompts == SAME else list(bench["prompts"][:rows])
+
+
+def prompt_keys(texts: list[str], ids: list[list[int]], prompts: str) -> dict:
+    """A cell contract's prompt keys, the same for the in-process and the HTTP bench (so that the builtin engine's
+    cells stand beside each other: benchstats.SIDE_BY_SIDE_KEYS). Same-prompt keeps the keys it always had, so that
+    its cells compare with earlier evidence's."""
+    if prompts == SAME:
+        return {"prompt_sha256": sha256_bytes(texts[0].encode()), "prompt_tokens": len(ids[0])}
+    return {"prompts_sha256": sha256_bytes(json.dumps(texts).encode()), "prompt_tokens": [len(i) for i in ids]}
+
+
 def bench_cell(backend: str, batch: int, prompts: str = SAME) -> str:
     """A bench cell's file under bench/, without `.json`: `<backend>[-distinct]-b<B>` (the decode path is the
-    campaign's bench.kernels, recorded in the cell)."""
-    return f"{backend}{_CONTRACT_SUFFIX[prompts]}-b{batch}"
+    campaign's bench.kernels, recorded in the cell): the torch path's label."""
+    return label(backend, "torch", batch, prompts)
 
 
 def cell_prompts(cell: dict) -> str:

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine import decode_kernels, graph_decode
-from engine.checkpoint import eos_ids, load_model
+from engine.checkpoint import enable_decode_path, eos_ids, load_model
 from engine.parallel import init_from_env
 from workflow import checkpoints, environment, hf
 from workflow.evidence import Stage, read_config, read_json, stage_args
@@ -90,11 +89,7 @@ def load_engine(ckpt_dir: Path, device: str, dtype: str, ep, kernels: str):
     model = load_model(ckpt_dir, device=device, dtype=checkpoints.DTYPES[dtype], ep=ep)
     if kernels != "torch" and device == "cpu":  # no GPU: Triton's interpreter runs the kernels (slowly)
         environment.require_interpreter(f"the engine's {kernels} decode path")
-    if kernels == "triton":
-        decode_kernels.enable(model)
-    elif kernels == "graph":
-        graph_decode.enable(model)
-    return model
+    return enable_decode_path(model, kernels)
 
 
 @contextlib.contextmanager

@@ -223,14 +223,15 @@ def bench_section(root: Path) -> list[str]:
 
     cfg = read_config(root / "config.yaml")["bench"]
     frame = by_transport(pd.read_csv(root / "bench/summary.csv"))[0]  # the HTTP rows: http_section
+    cells = _bench_cells(root)
     out = [
         f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
         f"runs per cell; TPOT = steady decode interval after the first; engine decode path: {cfg.get('kernels', 'torch')})",
         "",
-        *bench_contract_lines(root, frame),
+        *bench_contract_lines(cells, frame),
         markdown_table(frame),
         "",
-        *bench_floor_lines(root),
+        *bench_floor_lines(cells),
         "![decode tok/s and TPOT against batch](plots/bench.png)",
         "",
     ]
@@ -317,10 +318,9 @@ def _bench_cells(root: Path) -> list[dict]:
     return [c for c in cells if isinstance(c, dict) and "backend" in c and "stats" in c]
 
 
-def bench_contract_lines(root: Path, frame) -> list[str]:
+def bench_contract_lines(cells: list[dict], frame) -> list[str]:
     """Which prompt contract each figure of the table is (its `prompts` column), with each contract's prompts and
     rows check, read from the cells."""
-    cells = _bench_cells(root)
     out = []
     if (frame["prompts"] == SAME).any():
         n = sorted({c["contract"]["prompt_tokens"] for c in cells if cell_prompts(c) == SAME})
@@ -339,9 +339,9 @@ def bench_contract_lines(root: Path, frame) -> list[str]:
     return ["Prompt contracts:", "", *out, ""] if out else []
 
 
-def bench_floor_lines(root: Path) -> list[str]:
+def bench_floor_lines(cells: list[dict]) -> list[str]:
     """How the floor column is made (workflow.floor.bench_floor), from the cells' own records."""
-    floors = [c["floor"] for c in _bench_cells(root) if c.get("floor")]
+    floors = [c["floor"] for c in cells if c.get("floor")]
     if not floors:
         return []
     experts = next((f["unique_experts"] for f in floors if f.get("unique_experts")), None)

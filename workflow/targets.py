@@ -40,7 +40,6 @@ from jsonschema import Draft202012Validator
 from workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("openai", "command")
 ENGINE = "engine"  # the builtin engine through its own server, as the quality and HTTP bench stages name it
 # names a target may not take: the builtin engine's runs, transformers' bench cells, the quality stage's own targets
 # and its gate file (quality/gsm8k-<target>.json)
@@ -303,12 +302,17 @@ class Client:
     def __init__(self, base: str, timeout: float = REQUEST_TIMEOUT_S):
         self.base, self.timeout, self.model = base.rstrip("/"), timeout, None
 
-    def _call(self, req, timeout: float) -> dict:
+    @staticmethod
+    def _open(req, timeout: float):
+        """urlopen, an error status raised as a ServerError with the start of the server's answer."""
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+            return urllib.request.urlopen(req, timeout=timeout)
         except urllib.error.HTTPError as e:
             raise ServerError(e.code, e.read()[:500].decode(errors="replace")) from e
+
+    def _call(self, req, timeout: float) -> dict:
+        with self._open(req, timeout) as r:
+            return json.loads(r.read())
 
     def get(self, path: str, timeout: float = 30) -> dict:
         return self._call(f"{self.base}{path}", timeout)
@@ -332,11 +336,7 @@ class Client:
         """POST /completions with `stream: true`: yields (clock() when the event's line arrived, its JSON) for each
         server-sent `data:` event until `[DONE]` or the end of the stream. An error status is a ServerError; an
         event that is not JSON a TargetError."""
-        try:
-            resp = urllib.request.urlopen(self._request({**body, "stream": True}), timeout=self.timeout)
-        except urllib.error.HTTPError as e:
-            raise ServerError(e.code, e.read()[:500].decode(errors="replace")) from e
-        with resp:
+        with self._open(self._request({**body, "stream": True}), self.timeout) as resp:
             for line in resp:
                 at = clock()
                 data = line.decode("utf-8", errors="replace").strip()

@@ -1,6 +1,15 @@
-"""Token traces: where two greedy generations part."""
+"""Token traces: a generated row as parity records it, and where two greedy generations part."""
 
 from __future__ import annotations
+
+from workflow.evidence import text_sha256, token_sha256
+
+
+def token_row(tok, ids: list[int]) -> dict:
+    """A row of generated ids as the parity records hold it: its text (special tokens kept, so that it compares with
+    the oracle's) and both hashes."""
+    text = tok.decode(ids, skip_special_tokens=False)
+    return {"generated_ids": ids, "text": text, "token_sha256": token_sha256(ids), "text_sha256": text_sha256(text)}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

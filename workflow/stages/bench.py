@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import statistics
 import sys
 import time
@@ -32,10 +31,9 @@ import torch
 from engine.checkpoint import CheckpointError
 from engine.generate import Generation, generate
 from workflow import floor, replay
-from workflow.benchstats import BenchError, summarize_cell
+from workflow.benchstats import BenchError, measured_with, summarize_cell
 from workflow.checkpoints import DTYPES, CheckpointInvalid
-from workflow.evidence import read_json, sha256_bytes
-from workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts
+from workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts, prompt_keys, prompt_texts
 from workflow.session import Session, engine_args, engine_stage
 
 
@@ -116,8 +114,7 @@ def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> t
 
 def prompt_rows(s: Session, batch: int, prompts: str) -> tuple[list[str], list[list[int]]]:
     """The prompt of each row, as text and as ids: bench.prompt on every row, or bench.prompts[r] on row r."""
-    b = s.config["bench"]
-    texts = [b["prompt"]] * batch if prompts == SAME else b["prompts"][:batch]
+    texts = prompt_texts(s.config["bench"], batch, prompts)
     return texts, [s.tokenizer.encode(t).ids for t in texts]
 
 
@@ -125,11 +122,9 @@ def contract(s: Session, texts: list[str], rows: list[list[int]], prompts: str) 
     """What a cell measured. The same-prompt contract keeps the keys it always had, so that its cells compare with
     those of earlier evidence; a distinct-prompts cell names its contract, the prompts' hash and each row's length."""
     b = s.config["bench"]
-    if prompts == SAME:
-        what = {"prompt_sha256": sha256_bytes(texts[0].encode()), "prompt_tokens": len(rows[0])}
-    else:
-        what = {"prompts": DISTINCT, "prompts_sha256": sha256_bytes(json.dumps(texts).encode()),
-                "prompt_tokens": [len(r) for r in rows]}
+    what = prompt_keys(texts, rows, prompts)
+    if prompts != SAME:
+        what = {"prompts": DISTINCT, **what}
         if s.backend in HF_PATHS:
             what["padding"] = "left, to the longest prompt"
     return {
@@ -151,7 +146,6 @@ def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts:
                              hf=s.backend in HF_PATHS)
     if same:
         check = {"rule": "every row of the one prompt identical, on every run", "verdict": "rows_identical"}
-        replayed = replayed * len(rows)
     else:
         check = replay.alone_check(replayed, tokens, s.config["dtype"], gen.margins or None)
         if check["verdict"] == replay.MISMATCH:
@@ -199,9 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     args = engine_args(__doc__, BENCH_BACKENDS).parse_args(argv)
     try:
         with engine_stage("bench", args) as (st, s):
-            env = read_json(args.evidence / "env.json")
-            versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
-            model = {n: f["sha256"] for n, f in read_json(args.evidence / "checkpoint.json")["files"].items()}
+            versions, model = measured_with(args.evidence)
             lay = floor.layout(args.checkpoint, DTYPES[s.config["dtype"]])
             bandwidth = floor.copy_bandwidth(s.device, 512 if s.device.startswith("cuda") else 64)
             for prompts in bench_contracts(s.config["bench"]):

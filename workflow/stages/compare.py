@@ -301,7 +301,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
     engines = {t["name"]: {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
                            "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),
                            "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}
-               for t in (r["target"] for r in runs if r.get("target"))}
+               for t in {r["target"]["name"]: r["target"] for r in runs if r.get("target")}.values()}
     return {
         "verdict": worst["verdict"],
         "first_divergence": worst["first_divergence"],

@@ -21,8 +21,8 @@ from engine.checkpoint import CheckpointError
 from engine.generate import forced, generate
 from workflow import logprobs
 from workflow.checkpoints import CheckpointInvalid
-from workflow.evidence import read_json, text_sha256, token_sha256
-from workflow.traces import first_row_mismatch
+from workflow.evidence import read_json
+from workflow.traces import first_row_mismatch, token_row
 from workflow.runs import label, run_name
 from workflow.session import Session, engine_args, engine_stage
 
@@ -33,10 +33,7 @@ def run_batch(s: Session, batch: int, name: str) -> list[dict]:
         prompt_ids = s.tokenizer.encode(case["prompt"]).ids
         with torch.inference_mode():
             gen = generate(s.model, [prompt_ids] * batch, case["max_new_tokens"], eos_token_id=s.eos)
-        rows = []
-        for ids in gen.tokens:
-            text = s.tokenizer.decode(ids, skip_special_tokens=False)
-            rows.append({"generated_ids": ids, "text": text, "token_sha256": token_sha256(ids), "text_sha256": text_sha256(text)})
+        rows = [token_row(s.tokenizer, ids) for ids in gen.tokens]
         mismatch = first_row_mismatch(gen.tokens)
         out.append({"name": case["name"], "prompt_ids": prompt_ids, "rows_identical": mismatch is None,
                     "first_row_mismatch": mismatch, "margins": gen.margins[0], "rows": rows})

@@ -29,14 +29,13 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint import eos_ids
 from workflow import checkpoints, environment, targets
-from workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
+from workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256
 from workflow.privacy import scrub
-from workflow.traces import first_row_mismatch
+from workflow.traces import first_row_mismatch, token_row as parity_row
 
 
 def token_row(tok: Tokenizer, ids: list[int], served: str | None = None) -> dict:
-    text = tok.decode(ids, skip_special_tokens=False)  # as the builtin engine's rows: compared with the oracle's text
-    row = {"generated_ids": ids, "text": text, "token_sha256": token_sha256(ids), "text_sha256": text_sha256(text)}
+    row = parity_row(tok, ids)  # as the builtin engine's rows: compared with the oracle's text
     return row if served is None else {**row, "served_text": served}
 
 

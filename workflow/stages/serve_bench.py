@@ -28,10 +28,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from workflow import checkpoints, environment, targets
-from workflow.benchstats import BenchError, summarize_http
-from workflow.evidence import Stage, read_config, read_json, sha256_bytes, stage_args
+from workflow.benchstats import BenchError, measured_with, summarize_http
+from workflow.evidence import Stage, read_config, read_json, stage_args
 from workflow.privacy import scrub
-from workflow.runs import SAME, SHORT, bench_contracts, http_cell
+from workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
 
 BUILTIN = "builtin"  # the kind recorded for the builtin engine's target
 USAGE = {"stream_options": {"include_usage": True}}
@@ -96,29 +96,22 @@ def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict
     return {"duration_ms": duration, "requests": reqs}
 
 
-def prompt_texts(bench: dict, concurrency: int, prompts: str) -> list[str]:
-    """Each request's prompt: bench.prompt on every one, or bench.prompts[r] on request r."""
-    return [bench["prompt"]] * concurrency if prompts == SAME else list(bench["prompts"][:concurrency])
-
-
 def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concurrency: int, extra: dict,
              dtype: str, device: str | None) -> dict:
     """What a cell measured, with the in-process bench's prompt keys (workflow.stages.bench), so that the builtin
     engine's cells stand beside its in-process ones (benchstats.SIDE_BY_SIDE_KEYS)."""
     ids = [tok.encode(t).ids for t in texts]  # as engine.serve and the in-process bench encode a text prompt
-    what = ({"prompt_sha256": sha256_bytes(texts[0].encode()), "prompt_tokens": len(ids[0])} if prompts == SAME else
-            {"prompts_sha256": sha256_bytes(json.dumps(texts).encode()), "prompt_tokens": [len(i) for i in ids]})
-    return {"prompts": prompts, **what, "new_tokens": bench["new_tokens"], "warmup": bench["warmup"],
+    return {"prompts": prompts, **prompt_keys(texts, ids, prompts), "new_tokens": bench["new_tokens"], "warmup": bench["warmup"],
             "repeats": bench["repeats"], "concurrency": concurrency, "api": "/v1/completions, stream: true, greedy",
             "request_extras": sorted(extra), "timer": "perf_counter on the client, at each server-sent event",
             "dtype": dtype, "device": device}
 
 
-def bench_cell(client: targets.Client, bench: dict, concurrency: int, prompts: str, extra: dict, tok: Tokenizer,
+def bench_cell(client: targets.Client, bench: dict, texts: list[str], prompts: str, extra: dict, tok: Tokenizer,
                log) -> dict:
     """Warm-up and measured rounds of one cell, and its statistics (None, with `refused`, where it has none)."""
-    bodies = [{"prompt": t, "max_tokens": bench["new_tokens"], **extra}
-              for t in prompt_texts(bench, concurrency, prompts)]
+    concurrency = len(texts)
+    bodies = [{"prompt": t, "max_tokens": bench["new_tokens"], **extra} for t in texts]
     with ThreadPoolExecutor(concurrency) as pool:
         warmups = [round_of(pool, client, bodies, tok)["duration_ms"] for _ in range(bench["warmup"])]
         repeats = []
@@ -145,9 +138,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
     with Stage(evidence, f"serve_bench-{name}", params=params) as st:
         checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-        env = read_json(evidence / "env.json")
-        versions = {**env["packages"], "cuda": env.get("cuda"), "gpus": env.get("gpus"), "driver": env.get("driver")}
-        model = {n: f["sha256"] for n, f in read_json(evidence / "checkpoint.json")["files"].items()}
+        versions, model = measured_with(evidence)
         server_log = evidence / f"logs/serve_bench-{name}-server.log"
 
         def log(msg: str) -> None:
@@ -163,7 +154,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
             for prompts in bench_contracts(bench):
                 for c in bench["http"]["concurrency"]:
                     texts = prompt_texts(bench, c, prompts)
-                    cell = bench_cell(client, bench, c, prompts, extra, tok, log)
+                    cell = bench_cell(client, bench, texts, prompts, extra, tok, log)
                     label = http_cell(name, c, prompts)
                     st.write_json(f"bench/{label}.json", {
                         "target": name, "kind": kind, "concurrency": c,
