@@ -1,7 +1,7 @@
 """Greedy batched generation over the engine's Transformer.
 
-Each prompt is prefilled alone (one row of the cache), then all unfinished rows decode together,
-one batched forward per step. Under expert parallelism every rank calls ``generate`` in lockstep with the same
+The prompts are prefilled together (one forward of the batch, ragged prompts padded on the right; each row is a
+row of the cache with its own length), then all unfinished rows decode together, one batched forward per step. Under expert parallelism every rank calls ``generate`` in lockstep with the same
 prompts; the combined logits are identical on every rank, so every rank picks the same tokens. Usage::
 
     python -m engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
@@ -71,10 +71,27 @@ def _cache(model: Transformer, rows: int, max_len: int) -> LatentCache:
     return graph.cache(rows, max_len) if graph is not None else model.new_cache(rows, max_len)
 
 
-def _prefill(model: Transformer, cache: LatentCache, row: int, prompt: list[int]) -> torch.Tensor:
-    """One row's prompt into the cache -> logits [1, T, vocab]."""
+def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every row's prompt into the cache (row r: prompts[r]) -> each row's logits [len(prompts[r]), vocab].
+
+    The rows go through together: one forward of the batch right-padded to its longest prompt, for a model that takes
+    padding; else (DeepSeek-V4, whose window and compressor state a padded token would overwrite) one forward per
+    prompt length, each over the rows of that length.
+    """
     device = model.embed_tokens.weight.device
-    return model(torch.tensor([list(prompt)], dtype=torch.long, device=device), cache, torch.tensor([row], device=device))
+    groups = ({None: range(len(prompts))} if getattr(model, "takes_padding", False)
+              else {n: [r for r, p in enumerate(prompts) if len(p) == n] for n in dict.fromkeys(map(len, prompts))})
+    out: list[torch.Tensor | None] = [None] * len(prompts)
+    for rows in groups.values():
+        lengths = [len(prompts[r]) for r in rows]
+        width = max(lengths)
+        tokens = torch.tensor([prompts[r] + [prompts[r][-1]] * (width - len(prompts[r])) for r in rows],
+                              dtype=torch.long, device=device)
+        extra = {} if len(set(lengths)) == 1 else {"lengths": torch.tensor(lengths, device=device)}
+        logits = model(tokens, cache, torch.tensor(list(rows), device=device), **extra)
+        for i, r in enumerate(rows):
+            out[r] = logits[i, :lengths[i]]
+    return out
 
 
 def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[int]) -> torch.Tensor:
@@ -89,7 +106,7 @@ def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
            observe: Callable[[torch.Tensor], None]) -> None:
-    """Teacher-forced pass: prefill each prompt (one row at a time, as ``generate``), then feed ``continuations``
+    """Teacher-forced pass: prefill the prompts (together, as ``generate``), then feed ``continuations``
     through the batched decode step, every row each step, the given token instead of the greedy pick.
 
     ``observe(logits)`` gets [B, T, vocab] logits: first of every prompt position (T = prompt length), then of
@@ -105,7 +122,7 @@ def forced(model: Transformer, prompts: list[list[int]], continuations: list[lis
     B = len(prompts)
     with torch.inference_mode():  # the cache too: a graph step's cache is reset in place
         cache = _cache(model, B, len(prompts[0]) + steps)
-        observe(torch.cat([_prefill(model, cache, r, p) for r, p in enumerate(prompts)]))
+        observe(torch.stack(_prefill(model, cache, prompts)))
         for i in range(steps - 1):
             observe(_decode(model, cache, [c[i] for c in continuations], list(range(B)))[:, None])
 
@@ -156,8 +173,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     with torch.inference_mode():
         cache = _cache(model, B, max(len(p) for p in prompts) + max_new_tokens)
         with around(1, max_new_tokens):
-            for r, p in enumerate(prompts):  # prefill, one row at a time
-                emit([r], _prefill(model, cache, r, p)[:, -1])
+            emit(list(range(B)), torch.stack([t[-1] for t in _prefill(model, cache, prompts)]))
         if progress is not None:
             progress(1, max_new_tokens)
         for step in range(2, max_new_tokens + 1):

@@ -353,10 +353,17 @@ class Transformer(nn.Module):
         freqs = pos[..., None].float() * self.inv_freq.to(pos.device)
         return torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
 
-    def forward(self, tokens: torch.Tensor, cache: LatentCache, rows: torch.Tensor | None = None) -> torch.Tensor:
+    # a forward takes right-padded rows (``lengths``): generate prefills a ragged batch in one forward
+    takes_padding = True
+
+    def forward(self, tokens: torch.Tensor, cache: LatentCache, rows: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B,T] appended to cache rows [B] (default 0..B-1) -> logits [B,T,vocab].
 
-        Each row continues at its own cache length; attention is causal within the new tokens.
+        Each row continues at its own cache length; attention is causal within the new tokens. ``lengths`` [B]: the
+        tokens each row really has (default T); the rest of the row is padding, computed and written to the cache past
+        the row's length, where no query reads it before a later token of the row overwrites it (a query at position p
+        sees positions <= p, and position p is written by the forward that brings it), and not counted in its length.
         """
         B, T = tokens.shape
         dev = cache.lengths.device
@@ -372,5 +379,5 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis, cache, i, rows, pos, length, mask)
         logits = self.lm_head(self.norm(h))
-        cache.lengths[rows] += T
+        cache.lengths[rows] += T if lengths is None else lengths.to(dev)
         return logits

@@ -18,8 +18,10 @@ past EOS to ``max_tokens``, as the benchmarks do. ``--kernels`` picks the decode
 Static batching: one worker thread owns the model. A request's prompts are rows; the worker takes what has arrived
 within ``--batch-window-ms`` of the first row (or what queued while the last batch decoded), up to ``--max-batch``
 rows whose prompt lengths plus the batch's largest ``max_tokens`` fit the context, and decodes them as one
-``generate`` call. Ragged prompts need no padding: each row is prefilled alone into its own cache row and decodes at
-its own position (the cache keeps a length per row), so a row gets the tokens it gets alone. Every unfinished row
+``generate`` call. The batch's prompts prefill together (``generate``: ragged ones right-padded in one forward, the
+padding never read), each into its own cache row, and each row decodes at its own position (the cache keeps a length
+per row), so a row gets the tokens it gets alone (exactly in float32; in bf16 to rounding, which the bench's rows
+check measures). Every unfinished row
 advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string and is answered then. A row
 arriving meanwhile waits for the next batch, which starts when the longest row ends; a row whose client has gone
 ends at its next token. Not continuous batching, on purpose: ``generate`` is the decode loop that parity and the

@@ -46,6 +46,10 @@ MUTANTS = {
                        "        freqs_cis = self.freqs_cis(pos)"),
     "norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
                           "h = x.float()\n", "h = x\n"),
+    # parity runs one prompt on every row (no padding): the bench's distinct-prompts rows check is what sees this one
+    "prefill_counts_padding": ("prefill", "batched prefill: a ragged row's padding counted in its length",
+                               "cache.lengths[rows] += T if lengths is None else lengths.to(dev)",
+                               "cache.lengths[rows] += T"),
 }
 # DeepSeek-V4's: one textual edit of engine/deepseek_v4.py each, (kind, what it breaks, old text, new text)
 V4_MUTANTS = {
@@ -72,6 +76,7 @@ V4_MUTANTS = {
 LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
 PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
 ROWS = [n for n, m in MUTANTS.items() if m[0] == "rows"]
+PARITY_MUTANTS = LOGIC + PRECISION + ROWS  # what the parity gate must see
 
 
 def mutated_source(name: str) -> str:
@@ -135,6 +140,15 @@ def serving(servers: dict):
         yield urls
 
 
+def mutated_module(name: str) -> types.ModuleType:
+    """engine/model.py (engine/deepseek_v4.py for a V4 mutant) with mutant `name` applied, as a module."""
+    target = "engine.deepseek_v4" if name in V4_MUTANTS else "engine.model"
+    mod = types.ModuleType(f"{target}_mutant")
+    mod.__package__ = "engine"
+    exec(compile(mutated_source(name), f"{target} ({name})", "exec"), mod.__dict__)
+    return mod
+
+
 @contextlib.contextmanager
 def applied(model, name: str):
     """Within the block, every module of the loaded engine ``model`` runs the mutated engine/model.py's class
@@ -144,9 +158,7 @@ def applied(model, name: str):
 
     v4 = name in V4_MUTANTS
     target = engine.deepseek_v4 if v4 else engine.model
-    mod = types.ModuleType(f"{target.__name__}_mutant")
-    mod.__package__ = "engine"
-    exec(compile(mutated_source(name), f"{target.__name__} ({name})", "exec"), mod.__dict__)
+    mod = mutated_module(name)
     saved = [(m, type(m)) for m in model.modules() if type(m).__module__ == target.__name__]
     rope = None if v4 else (model.inv_freq, model.attention_scaling)
     try:

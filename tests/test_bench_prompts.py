@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import handbuilt as hb
+import mutants
 import tinyev
 from workflow import archive, diff, environment, floor, replay, trend
 from workflow.evidence import read_json, write_json
@@ -127,6 +128,19 @@ def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch
     assert (ev / "bench/single-b4.json").is_file() and (ev / "bench/single-distinct-b1.json").is_file()
     assert not (ev / "bench/single-distinct-b4.json").exists()
     assert read_json(ev / "stages/bench-single.json")["status"] == "failed"
+
+
+def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monkeypatch):
+    """An injected bug of the batched prefill (tests/mutants.py `prefill_counts_padding`): a ragged row's padding
+    counted in its length, so that its decode attends to the padding's cache entries. Same-prompt rows have no
+    padding, so their cells cannot see it; the distinct-prompts rows check does, and no figure is written."""
+    from engine.model import Transformer
+
+    monkeypatch.setattr(Transformer, "forward", mutants.mutated_module("prefill_counts_padding").Transformer.forward)
+    ckpt, ev = make(tmp_path)
+    with pytest.raises(SystemExit, match="distinct prompts: row .* where its prompt alone picks .*no figure is"):
+        run_bench(ckpt, ev)
+    assert (ev / "bench/single-b4.json").is_file() and not (ev / "bench/single-distinct-b4.json").exists()
 
 
 def test_transformers_routers_choose_as_the_engine_does(benched):

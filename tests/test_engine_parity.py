@@ -261,6 +261,29 @@ def test_batch_mixed_lengths(batch_model):
         assert row == generate(eng, [p], 8).tokens[0]
 
 
+def test_a_ragged_batch_prefills_in_one_forward(batch_model):
+    """Batched prefill: the rows of any lengths go through one forward (right-padded), each row's cache length its own
+    prompt's, and its logits at every real position HF's for that prompt alone."""
+    hf, eng = batch_model
+    prompts = [PROMPT[:3], PROMPT, [9, 8, 7, 6, 5, 4, 3]]
+    calls = []
+    hook = eng.register_forward_hook(lambda m, args, kwargs, out: calls.append(args[0].shape), with_kwargs=True)
+    try:
+        generate(eng, prompts, 1)
+    finally:
+        hook.remove()
+    assert calls == [torch.Size([3, len(PROMPT)])]
+    cache = LatentCache.for_model(eng, max_rows=3, max_len=16)
+    width = max(map(len, prompts))
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    with torch.inference_mode():
+        out = eng(tokens, cache, lengths=torch.tensor([len(p) for p in prompts]))
+    assert cache.lengths.tolist() == [len(p) for p in prompts]
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            assert (out[r, :len(p)] - hf(torch.tensor([p])).logits[0]).abs().max() < TOL
+
+
 def test_forced_follows_the_given_path_on_every_row(batch_model):
     """Teacher-forced along HF's greedy trace through the batched decode step: every position's logits are HF's
     full-sequence logits, on each of 3 rows; position p predicts token p + 1."""

@@ -89,6 +89,21 @@ def test_greedy_generate_is_token_exact_with_transformers(pair):
     assert out.tokens[1] == alone.tokens[0]
 
 
+def test_a_ragged_batch_prefills_one_forward_per_prompt_length(pair):
+    """V4 takes no padding (a padded token would enter the window and the compressors): the rows of each prompt
+    length prefill together, and every row decodes as it does alone."""
+    _, eng = pair
+    prompts = [[5, 17, 3, 88, 41], [9, 60, 2], [1, 2, 3, 4, 5], [7, 7, 8]]
+    calls = []
+    hook = eng.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        out = generate(eng, prompts, 12)
+    finally:
+        hook.remove()
+    assert calls[:2] == [(2, 5), (2, 3)] and all(c == (4, 1) for c in calls[2:])
+    assert out.tokens == [generate(eng, [p], 12).tokens[0] for p in prompts]
+
+
 def test_teacher_forced_logits_match_one_forward(pair):
     hf, eng = pair
     prompt, cont = [[4, 8, 15, 16, 23], [42, 7, 1, 2, 3]], [[9] * 20, list(range(20))]

@@ -1,0 +1,54 @@
+"""The bench stage of a finished campaign, rerun on an engine with a mutant of tests/mutants.py: does the rows check
+of the distinct-prompts contract see it? (On the lent GPU machine, after the campaign, while it is warm.)
+
+    python3 tools/device_bench_mutant.py evidence/<campaign>/<id> --mutant prefill_counts_padding --batch-sizes 8
+
+Copies the evidence directory without its bench cells into --work, runs the pipeline's bench stage (backend single)
+there on a scratch copy of engine/ with the mutant applied, on the campaign's checkpoint, and prints what it wrote
+of each cell's rows check, or its refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import mutants  # noqa: E402
+from workflow.evidence import read_json  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("evidence", type=Path, help="the campaign's evidence directory")
+    ap.add_argument("--mutant", required=True, choices=sorted(mutants.MUTANTS))
+    ap.add_argument("--batch-sizes", default="8")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="default: the one under .evident/checkpoints")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench-mutant"))
+    a = ap.parse_args()
+    ckpt = a.checkpoint or next((REPO / ".evident/checkpoints").glob("*/config.json")).parent
+    shutil.rmtree(a.work, ignore_errors=True)
+    ev = a.work / "evidence"
+    shutil.copytree(a.evidence, ev, ignore=shutil.ignore_patterns("bench", "bench-*.json", "SUMMARY.md"))
+    os.chmod(ev, 0o755)
+    for p in ev.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    src = mutants.scratch(a.work / "src", a.mutant)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "workflow.stages.bench", "--checkpoint", str(ckpt), "--evidence", str(ev),
+                        "--backend", "single", "--batch-sizes", a.batch_sizes], env=env, cwd=REPO, text=True,
+                       capture_output=True)
+    print(p.stdout[-3000:], p.stderr[-3000:], f"[{a.mutant}] bench exit {p.returncode}", sep="\n")
+    for cell in sorted((ev / "bench").glob("single-*.json")):
+        c = read_json(cell)
+        print(f"[{a.mutant}] {cell.stem}: rows {c['rows_check']['verdict']}, TPOT p50 {c['stats']['tpot']['p50']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
