@@ -227,6 +227,28 @@ def test_a_difference_is_a_defect_only_where_both_computations_were_sure():
     assert replay.alone_check([quiet], [[3, 5, 7]], "float32")["verdict"] == replay.AS_ALONE
 
 
+def test_the_rows_check_takes_parity_s_measured_margin(tmp_path):
+    """In bf16 the rows check's margin is parity's, measured from the oracle's record: under transformers' own noise
+    of 1.5 a difference of 0.9 (a row_mismatch under the floor 0.5) is a near tie, one of 1.6 still a mismatch;
+    without the oracle stage the floor decides."""
+    from test_compare import noisy_bf16_oracle
+
+    write_json(tmp_path / "oracle/hf.json", noisy_bf16_oracle(1.0, {i: 0.75 for i in range(20)})[0])
+    config = {"dtype": "bfloat16", "parity": {"near_tie_margin": None}}
+    margin = bench.rows_margin(tmp_path, config)
+    assert margin[0] == pytest.approx(1.5) and margin[1]["transformers_margin_error"] == pytest.approx(1.5)
+    tokens = [[3, 6, 7]]
+    row = lambda gap: replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, gap, 0.0])  # noqa: E731
+    check = replay.alone_check([row(0.9)], tokens, "bfloat16", near_tie=margin)
+    assert check["verdict"] == replay.NEAR_TIES and check["near_tie_noise"] == margin[1]
+    assert replay.alone_check([row(1.6)], tokens, "bfloat16", near_tie=margin)["verdict"] == replay.MISMATCH
+    floor_only = bench.rows_margin(tmp_path / "no-oracle", config)
+    assert floor_only == (0.5, None)
+    assert replay.alone_check([row(0.9)], tokens, "bfloat16", near_tie=floor_only)["verdict"] == replay.MISMATCH
+    fixed = bench.rows_margin(tmp_path, {**config, "parity": {"near_tie_margin": 2.0}})
+    assert fixed == (2.0, None)
+
+
 def test_a_router_that_returns_no_expert_ids_is_refused_by_name():
     class Router(torch.nn.Module):
         def forward(self, x):

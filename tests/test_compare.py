@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workflow import logprobs, verdicts
 from workflow.evidence import read_json, text_sha256, token_sha256
 from workflow.logprobs import REFERENCE_DTYPE as F32
 from workflow.stages import compare as cmp
@@ -436,8 +437,8 @@ def test_bf16_near_tie_margin_is_transformers_own_noise(margin, verdict):
     o, runs = noisy_bf16_oracle(margin, {i: 0.75 for i in range(20)})
     res = compare(o, runs)
     assert res["near_tie_margin"] == pytest.approx(1.5)
-    assert res["near_tie_noise"] == {"quantile": cmp.NOISE_QUANTILE, "positions": 20,
-                                     "transformers_margin_error": pytest.approx(1.5), "floor": cmp.NEAR_TIE[BF16]}
+    assert res["near_tie_noise"] == {"quantile": logprobs.NOISE_QUANTILE, "positions": 20,
+                                     "transformers_margin_error": pytest.approx(1.5), "floor": verdicts.NEAR_TIE[BF16]}
     assert res["forced"][0]["precision"]["pass"] and _cell(res, "a")["logic"]["pass"]
     assert _cell(res, "a")["verdict"] == verdict and res["verdict"] == verdict
     fixed = compare(o, runs, 1.25)  # a margin the campaign fixes is used as it is
@@ -450,14 +451,14 @@ def test_bf16_near_tie_margin_is_not_raised_by_one_outlier():
     moves it by 2 * HF_ERROR: the 95% quantile stays under the floor, so a divergence at margin 1.0 stays a gap."""
     o, runs = noisy_bf16_oracle(1.0, {13: 8.0})
     res = compare(o, runs)
-    assert res["near_tie_margin"] == cmp.NEAR_TIE[BF16] and res["near_tie_noise"]["transformers_margin_error"] < 0.5
+    assert res["near_tie_margin"] == verdicts.NEAR_TIE[BF16] and res["near_tie_noise"]["transformers_margin_error"] < 0.5
     assert res["verdict"] == "engine_accuracy_gap"
 
 
 def test_float32_near_tie_margin_is_the_floor():
     """A float32 campaign has no transformers run in another dtype: its margin is float32's, whatever the path."""
     res = compare(oracle(oracle_case("a", IDS_A, MARGINS_A)), [run(1, run_case("a", [IDS_A]))])
-    assert res["near_tie_margin"] == cmp.NEAR_TIE[F32] and res["near_tie_noise"] is None
+    assert res["near_tie_margin"] == verdicts.NEAR_TIE[F32] and res["near_tie_noise"] is None
 
 
 def test_precision_regression_ranks_between_near_tie_and_accuracy_gap():
@@ -560,7 +561,7 @@ def test_cli_writes_comparison_and_stage_record(tmp_path):
 
     res = read_json(ev / "parity" / "comparison.json")
     assert res["verdict"] == "near_tie_divergence"
-    assert res["near_tie_margin"] == cmp.NEAR_TIE["float32"]
+    assert res["near_tie_margin"] == verdicts.NEAR_TIE["float32"]
     assert res["first_divergence"] == {"case": "greeting", "row": 0, "step": 1, "oracle_token": 11,
                                        "engine_token": 3, "oracle_margin": 5e-5}
     assert len(res["cells"]) == 2
@@ -568,7 +569,7 @@ def test_cli_writes_comparison_and_stage_record(tmp_path):
     st = read_json(ev / "stages" / "compare.json")
     assert st["status"] == "ok"
     assert st["tags"]["parity.verdict"] == "near_tie_divergence"
-    assert st["params"] == {"near_tie_margin": cmp.NEAR_TIE["float32"], "logic_tolerance": TOL, "precision_bound": cmp.PRECISION_BOUND}
+    assert st["params"] == {"near_tie_margin": verdicts.NEAR_TIE["float32"], "logic_tolerance": TOL, "precision_bound": cmp.PRECISION_BOUND}
     assert st["metrics"] == {"cells_exact": 1, "cells": 2, "logic_max_abs_delta": 0.0}  # no precision ratio in float32
     assert st["files"] == ["parity/comparison.json"]
     assert not [f for f in (ev / "parity").iterdir() if f.name.startswith(".")]  # no temp left
@@ -624,7 +625,7 @@ def test_cli_reads_logic_tolerance_and_precision_bound(tmp_path):
     assert res["verdict"] == "engine_accuracy_gap" and res["first_divergence"]["tolerance"] == 2 ** -11
     assert [c["case"] for c in res["cells"]] == ["a", "b"]  # no precision_regression cell
     st = read_json(ev / "stages" / "compare.json")
-    assert st["params"] == {"near_tie_margin": cmp.NEAR_TIE[BF16], "logic_tolerance": 2 ** -11, "precision_bound": 1.6}
+    assert st["params"] == {"near_tie_margin": verdicts.NEAR_TIE[BF16], "logic_tolerance": 2 ** -11, "precision_bound": 1.6}
     assert st["metrics"] == {"cells_exact": 1, "cells": 2, "logic_max_abs_delta": 2 ** -10, "precision_ratio_max": 1.5}
 
 

@@ -2,17 +2,19 @@
 # Run a campaign on a lent GPU machine (no network, its own python3 with torch/triton/transformers).
 # Snakemake and MLflow travel as wheels in .whl/ (see README "GPU campaigns"); the evidence
 # directory comes back as one archive in $OUT.
-#   usage: EVIDENT_GIT_COMMIT=<sha> tools/device_campaign.sh config/campaigns/X.yaml [seconds]
+#   usage: EVIDENT_GIT_COMMIT=<sha> tools/device_campaign.sh config/campaigns/X.yaml [seconds] [snakemake args...]
+# (e.g. --config 'stages=[oracle,parity,bench]': the evidence records the config the run had)
 set -uo pipefail
 campaign=${1:?campaign file}
 budget=${2:-540}
+shift $(( $# < 2 ? $# : 2 ))
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -4
 # greedy scheduler: the ILP one needs pulp, which is not carried (16 MB)
 timeout "$budget" python3 -m snakemake --cores all --scheduler greedy --keep-going --rerun-incomplete \
-  --configfile "$campaign" 2>&1 | grep --line-buffered -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
+  --configfile "$campaign" "$@" 2>&1 | grep --line-buffered -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
   | tee "$OUT/snakemake.log"
 rc=${PIPESTATUS[0]}
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null

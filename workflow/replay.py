@@ -96,15 +96,18 @@ def replay(model, prompts: list[list[int]], tokens: list[list[int]], hf: bool = 
     return rows
 
 
-def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: list[list[float]] | None = None) -> dict:
+def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: list[list[float]] | None = None,
+                near_tie: tuple[float, dict | None] | None = None) -> dict:
     """Each row's tokens against its prompt alone (`replay`'s picks along the row's own tokens, so one early
     difference does not hide the steps after it). A difference is a defect (`row_mismatch`: a batch changed a
     decisive token, as a row reading another row's cache would) where the row alone prefers its own pick by more
-    than the dtype's near-tie margin and, where the timed run's own top-1/top-2 `margins` are known (the engine's),
+    than the near-tie margin and, where the timed run's own top-1/top-2 `margins` are known (the engine's),
     the batch preferred its pick by more than it too: two computations of one row that differ by rounding err each
     way cannot both be that sure of different tokens unless err exceeds the margin. Smaller ones are recorded
-    (`near_tie_differences`): a batch changes the shapes of a step's products, and with them their rounding."""
-    tie = NEAR_TIE[dtype]
+    (`near_tie_differences`): a batch changes the shapes of a step's products, and with them their rounding.
+    `near_tie`: the campaign's margin and how it was measured (logprobs.near_tie_margin, parity's), else the
+    dtype's floor."""
+    tie, noise = near_tie or (NEAR_TIE[dtype], None)
     diffs = [{"row": r, "step": i + 1, "token": gen[i], "alone_token": row.alone[i], "gap": row.gaps[i],
               "batch_margin": margins[r][i] if margins else None}
              for r, (row, gen) in enumerate(zip(rows, tokens)) for i in range(len(gen)) if row.alone[i] != gen[i]]
@@ -114,6 +117,6 @@ def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: l
     return {"rule": "each row against its prompt alone, teacher-forced along the row's tokens: a different pick "
                     "where the row alone prefers its own by more than the near-tie margin (logits), and the batch "
                     "its own by more than it where the batch's margins are known, fails the cell",
-            "verdict": verdict, "near_tie_margin": tie, "rows": len(rows),
+            "verdict": verdict, "near_tie_margin": tie, "near_tie_noise": noise, "rows": len(rows),
             "rows_as_alone": len(rows) - len({d["row"] for d in diffs}), "differences": len(diffs),
             "first": diffs[0] if diffs else None, "largest": worst}

@@ -6,7 +6,7 @@ a text-level target whose text differs gets the margin rule's verdict, as a toke
 """
 
 # Below these top-1/top-2 margins two correct computations may pick different tokens: the floor of parity's
-# `near_tie_margin` (workflow/stages/compare.py) and of the bench's rows check (workflow/replay.py). For bf16, 0.5 is
+# `near_tie_margin` (workflow/logprobs.py) and of the bench's rows check (workflow/replay.py). For bf16, 0.5 is
 # 8 ulps at |logit| 8-16: on the DeepSeek-V2-Lite shape (27 layers, H200) the engine disagreed with itself across
 # batch sizes (different GEMM shapes) at a 4-ulp oracle margin (0.25).
 NEAR_TIE = {"float32": 1e-4, "float16": 1.25e-1, "bfloat16": 5e-1}

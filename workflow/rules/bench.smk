@@ -5,6 +5,8 @@ rule bench:
         ckpt=CKPT,
         record=rules.record_checkpoint.output,
         env=rules.context.output.env,
+        # the rows check's near-tie margin is parity's, measured from the oracle's record (bench.rows_margin)
+        oracle=rules.oracle.output if "oracle" in config["stages"] else [],
     output:
         [f"{E}/bench/{runs.bench_cell('{backend}', b, p)}.json" for p in runs.bench_contracts(config["bench"])
          for b in config["bench"]["batch_sizes"]],

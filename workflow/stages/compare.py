@@ -2,7 +2,7 @@
 
 Free-running: stored hashes must match their ids (else an error), rows of a batch must be identical
 (`batch_row_mismatch`), then row 0 against the oracle: equal (`all_token_text_exact`), first divergence at an
-oracle margin below the dtype's noise (`near_tie_divergence`, see `near_tie_margin`), or above it
+oracle margin below the dtype's noise (`near_tie_divergence`, see `logprobs.near_tie_margin`), or above it
 (`engine_accuracy_gap`). A free-running trace says nothing after its first divergence, and in bf16 small logic
 bugs hide under the rounding, so two checks along the oracle's trace (teacher-forced, every row) decide too:
 
@@ -35,10 +35,8 @@ from workflow.evidence import Stage, read_config, read_json, text_sha256, token_
 from workflow.logprobs import REFERENCE_DTYPE
 from workflow.runs import EP_BACKENDS, label as run_label
 from workflow.traces import first_difference, token_at
-from workflow.verdicts import NEAR_TIE, SEVERITY, worst as worst_verdict
+from workflow.verdicts import SEVERITY, worst as worst_verdict
 
-# ... raised in bf16/fp16 to the margin error transformers' own run exceeds at 5% of positions
-NOISE_QUANTILE = 0.95
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
 # The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
 # "Parity": 8x the largest float32 noise measured, and between transformers' own bf16 error and a low-dtype norm's.
@@ -57,22 +55,6 @@ def check_hashes(where: str, entry: dict) -> None:
         raise HashMismatch(f"{where}: stored token_sha256 does not match its ids")
     if entry["text_sha256"] != text_sha256(text):
         raise HashMismatch(f"{where}: stored text_sha256 does not match its text")
-
-
-def near_tie_margin(oracle: dict, transformers: dict[str, dict], fixed: float | None) -> tuple[float, dict | None]:
-    """The near-tie margin and, where it was measured, how: `fixed` where the campaign gives one
-    (parity.near_tie_margin), else the dtype's floor (NEAR_TIE), which a bf16/fp16 campaign raises to the noise
-    transformers itself shows on these paths: the NOISE_QUANTILE of the error its own run in that dtype makes on a
-    margin (|Δ| of the float32 reference's top-1 log-prob plus its top-2's), over every position of every case.
-    Random weights make that noise large: on Moonlight's shape (H200, bf16) a median of 0.8 nats and a 95th
-    percentile of 4.45, where the fixed floor of 0.5 called a divergence at a margin of 1.06 decisive."""
-    floor = NEAR_TIE[oracle["dtype"]]
-    if fixed is not None or not transformers:
-        return (floor if fixed is None else fixed), None
-    errors = torch.cat([e["delta"][:, :2].sum(-1) for e in transformers.values()])
-    noise = float(torch.quantile(errors, NOISE_QUANTILE, interpolation="lower"))  # a value some position has
-    return max(floor, noise), {"quantile": NOISE_QUANTILE, "positions": len(errors), "transformers_margin_error": noise,
-                               "floor": floor}
 
 
 def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | None]:
@@ -246,14 +228,13 @@ def transport_cells(runs: list[dict]) -> list[dict]:
 
 def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic_tolerance: float = LOGIC_TOLERANCE,
             precision_bound: float = PRECISION_BOUND) -> dict:
-    """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (near_tie_margin)."""
+    """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (logprobs.near_tie_margin)."""
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
         check_hashes(f"oracle case {c['name']}", c)
     dtypes = logprobs.dtypes(oracle["dtype"])
-    transformers = ({c["name"]: logprobs.row_errors(c["reference"], c["same_dtype"]) for c in oracle["cases"]}
-                    if oracle["dtype"] != REFERENCE_DTYPE else {})
-    margin, noise = near_tie_margin(oracle, transformers, near_tie)
+    transformers = logprobs.transformers_errors(oracle)
+    margin, noise = logprobs.near_tie_margin(oracle["dtype"], transformers, near_tie)
     cells, forced = [], []
     for run in runs:
         names = sorted(c["name"] for c in run["cases"])
