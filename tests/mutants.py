@@ -46,8 +46,9 @@ MUTANTS = {
                        "        freqs_cis = self.freqs_cis(pos)"),
     "norm_in_low_dtype": ("precision", "RMSNorm's mean of squares in the model dtype, not float32",
                           "h = x.float()\n", "h = x\n"),
-    # parity runs one prompt on every row (no padding): the bench's distinct-prompts rows check is what sees this one
-    "prefill_counts_padding": ("prefill", "batched prefill: a ragged row's padding counted in its length",
+    # one prompt on every row has no padding to count: parity's ragged batch (float32) and the bench's distinct
+    # prompts are what can see this one
+    "prefill_counts_padding": ("rows", "batched prefill: a ragged row's padding counted in its length",
                                "cache.lengths[rows] += T if lengths is None else lengths.to(dev)",
                                "cache.lengths[rows] += T"),
 }

@@ -59,8 +59,11 @@ def row(label: str, r: dict, seconds: float) -> str:
                 f"p99 {p['engine']['p99']:.3f}/{p['transformers']['p99']:.3f}, top-1 {p['engine']['top1_agreement']:.2f}/"
                 f"{p['transformers']['top1_agreement']:.2f}, cases {', '.join(f'{v:.2f}' for v in p['case_ratios'].values())})"
                 if p["applies"] else "n/a")
+        rag = next((c["ragged"] for c in r["cells"] if c["case"] == "ragged" and c["batch"] == f["batch"]
+                    and c["kernels"] == f["kernels"]), None)
+        rag = "—" if rag is None else f"{rag['verdict']} ({len(rag['differences'])}/{len(rag['cases'])} rows differ)"
         out.append(f"| {label} | {f['kernels']} | b{f['batch']} | {r['verdict']} | {lg['max']:.3g} (mean {lg['mean']:.2g}, "
-                   f"top-1 {lg['top1_agreement']:.2f}) | {prec} | {seconds:.0f} s |")
+                   f"top-1 {lg['top1_agreement']:.2f}) | {prec} | {rag} | {seconds:.0f} s |")
     return "\n".join(out)
 
 
@@ -119,7 +122,8 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
                     for dtype, m in models.items():
                         s.model = m
                         forced_runs[dtype] = parity.run_forced(s, o, b)
-                    records.append(parity.run_record(s, b, cases, forced_runs))
+                    # the last model is float32, as the stage's last load
+                    records.append(parity.run_record(s, b, cases, forced_runs, parity.run_ragged(s, b)))
             # the stage's own margin rule (a bf16 campaign's measured noise): a fixed floor judged a mutant's
             # divergence at a margin the unmutated run's comparison calls a near-tie
             result = compare.compare_parity(o, records, cfg["parity"])
@@ -186,8 +190,8 @@ def main() -> None:
         tar.add(a.work / "evidence", arcname="evidence")
     print(f"\nlogic tolerance {cfg['parity']['logic_tolerance']:g}, precision bound {cfg['parity']['precision_bound']:g}, "
           f"{cfg['dtype']}, {cfg['checkpoint']['config']['num_hidden_layers']} layers")
-    print("| mutant | path | batch | verdict | logic max abs delta, fp32 | precision ratio |  time |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| mutant | path | batch | verdict | logic max abs delta, fp32 | precision ratio | ragged batch, fp32 | time |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(table))
     print("\n".join(["", *diagnosis]))
 

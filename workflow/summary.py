@@ -18,6 +18,9 @@ def _divergence(d: dict) -> str:
                 f"vs target {d['target_text']!r}")
     if "char" in d:
         return f"text, row {d['row']} character {d['char']}: {d['row_text']!r} vs row 0 {d['row0_text']!r}"
+    if "alone_token" in d:  # parity's ragged batch, a row against its prompt alone
+        return (f"ragged float32, row {d['row']} ({d['case']}) step {d['step']}: {d['token']} vs {d['alone_token']} "
+                f"alone (margins: batch {d['batch_margin']:.3g}, alone {d['alone_margin']:.3g})")
     if "collective_token" in d:
         return f"step {d['step']}: host-staged {d['host_staged_token']} vs collective {d['collective_token']}"
     if "oracle_token" in d:
@@ -39,7 +42,7 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
     cells, rows = comparison["cells"], []
     for f in comparison["forced"]:
         mine = [c for c in cells if (c["backend"], c["kernels"], c["batch"]) == (f["backend"], f["kernels"], f["batch"])]
-        cases = [c for c in mine if c["case"] != "all"]
+        cases = [c for c in mine if c["case"] not in ("all", "ragged")]
         lg, pr = f["logic"], f["precision"]
         prec = (("n/a (float32)" if "target" not in f else f"n/a ({pr['reason']})") if not pr["applies"] else
                 f"{pr['engine']['mean']:.4f} / {pr['transformers']['mean']:.4f} = "
@@ -82,6 +85,14 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
         "agreement with the float32 oracle: the logic run, then the precision run against transformers'.",
         "",
     ]
+    ragged = [c for c in cells if c["case"] == "ragged"]
+    if ragged:
+        out += ["Ragged batches (float32; row r the prompt of case r mod n, prompts of different lengths prefilled "
+                "together; each row against its prompt alone through the same path, a first difference decisive where "
+                "both are sure beyond the logic tolerance): "
+                + "; ".join(f"{c['backend']} {c['kernels']} b{c['batch']} `{c['ragged']['verdict']}` "
+                            f"({len(c['ragged']['differences'])} of {len(c['ragged']['cases'])} rows differ)"
+                            for c in ragged), ""]
     if seen:
         out += ["First divergences:", "", *[f"- {d} ({', '.join(w)})" for d, w in seen.items()], ""]
     return out + targets_lines(comparison.get("targets") or {})

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from workflow import gates, logprobs
+from workflow import gates, logprobs, replay
 from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 from workflow.logprobs import REFERENCE_DTYPE
 from workflow.runs import EP_BACKENDS, label as run_label
@@ -226,6 +226,16 @@ def transport_cells(runs: list[dict]) -> list[dict]:
     return out
 
 
+def ragged_cells(runs: list[dict]) -> list[dict]:
+    """The ragged batches (parity's float32 rows check): a row that parts from its prompt alone where both runs were
+    sure beyond the logic tolerance is a `batch_row_mismatch`; within it a near tie, as rounding may part them."""
+    verdicts = {replay.MISMATCH: "batch_row_mismatch", replay.NEAR_TIES: "near_tie_divergence",
+                replay.AS_ALONE: "all_token_text_exact"}
+    return [{"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": "ragged",
+             "verdict": verdicts[run["ragged"]["verdict"]], "first_divergence": run["ragged"]["largest"],
+             "ragged": run["ragged"]} for run in runs]
+
+
 def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic_tolerance: float = LOGIC_TOLERANCE,
             precision_bound: float = PRECISION_BOUND) -> dict:
     """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (logprobs.near_tie_margin)."""
@@ -278,6 +288,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": "all",
                           "verdict": "precision_regression", "first_divergence": figures})
     cells += transport_cells([r for r in runs if not r.get("target")])
+    cells += ragged_cells([r for r in runs if r.get("ragged")])
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
     engines = {t["name"]: {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
                            "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),

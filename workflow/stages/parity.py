@@ -9,6 +9,11 @@ Each batch also runs teacher-forced along the oracle's trace (oracle/hf.json: it
 through the same prefill, batched decode step and kernels, every row: per row and position the engine's
 log-probs of the oracle reference's top-k ids and its own top-k. That runs in the campaign's dtype and, for a
 bf16 or fp16 campaign, again in float32 (the model loaded a second time), the logic check's run.
+
+A batch of B >= 2 also runs ragged, in float32 (`ragged`): row r the prompt of case r mod n, the prompts of different
+lengths prefilled together, greedy; each row must decode as its prompt alone does through the same path, within the
+logic tolerance (two float32 computations of a row cannot both prefer different tokens by more than it). A same-prompt batch has no padding to get wrong; in bf16 on random weights rounding hides what
+float32 shows (engine/DECODE.md, "Batched prefill").
 """
 
 from __future__ import annotations
@@ -19,10 +24,10 @@ import torch
 
 from engine.checkpoint import CheckpointError
 from engine.generate import forced, generate
-from workflow import logprobs
+from workflow import logprobs, replay
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json
-from workflow.traces import first_row_mismatch, token_row
+from workflow.traces import first_difference, first_row_mismatch, token_row
 from workflow.runs import label, run_name
 from workflow.session import Session, engine_args, engine_stage
 
@@ -53,11 +58,40 @@ def run_forced(s: Session, oracle: dict, batch: int) -> dict[str, dict]:
     return out
 
 
-def run_record(s: Session, batch: int, cases: list[dict], forced_runs: dict[str, dict]) -> dict:
-    """parity/<run>-b<B>.json: the free-running cases, each with its forced runs per dtype."""
+def run_ragged(s: Session, batch: int) -> dict | None:
+    """The ragged batch in the model's dtype now (float32: parity's last load) against each of its prompts
+    generated alone through the same path (so that only what batching changes can differ): where a row parts from
+    its prompt alone, both runs' top-1/top-2 margins there decide, at the logic tolerance. Its cases, their prompt
+    lengths and the check; None where the rows' prompts share one length (batch 1, or one case)."""
+    cases = s.config["cases"]
+    prompts = [s.tokenizer.encode(c["prompt"]).ids for c in cases]
+    which = [r % len(cases) for r in range(batch)]
+    if len({len(prompts[i]) for i in which}) < 2:
+        return None
+    n, tol = max(c["max_new_tokens"] for c in cases), s.config["parity"]["logic_tolerance"]
+    with torch.inference_mode():
+        gen = generate(s.model, [prompts[i] for i in which], n)
+        alone = {i: generate(s.model, [prompts[i]], n) for i in sorted(set(which))}
+    diffs = []
+    for r, i in enumerate(which):
+        own, ref = gen.tokens[r], alone[i].tokens[0]
+        if (at := first_difference(ref, own)) is not None:
+            diffs.append({"row": r, "case": cases[i]["name"], "step": at, "token": own[at], "alone_token": ref[at],
+                          "batch_margin": gen.margins[r][at], "alone_margin": alone[i].margins[0][at]})
+    worst = max(diffs, key=lambda d: min(d["batch_margin"], d["alone_margin"]), default=None)
+    verdict = (replay.AS_ALONE if not diffs else
+               replay.MISMATCH if min(worst["batch_margin"], worst["alone_margin"]) > tol else replay.NEAR_TIES)
+    return {"cases": [cases[i]["name"] for i in which], "prompt_tokens": [len(prompts[i]) for i in which],
+            "rule": "each row against its prompt alone, greedy through the same path: a first difference where both "
+                    "runs prefer their own pick by more than the logic tolerance fails",
+            "tolerance": tol, "verdict": verdict, "differences": diffs, "largest": worst}
+
+
+def run_record(s: Session, batch: int, cases: list[dict], forced_runs: dict[str, dict], ragged: dict | None) -> dict:
+    """parity/<run>-b<B>.json: the free-running cases, each with its forced runs per dtype, and the ragged batch."""
     for case in cases:
         case["forced"] = {dtype: runs[case["name"]] for dtype, runs in forced_runs.items()}
-    return {"engine": "evident engine (engine/)", **s.params, "batch": batch, "cases": cases}
+    return {"engine": "evident engine (engine/)", **s.params, "batch": batch, "cases": cases, "ragged": ragged}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
                 for batch in args.batch_sizes:
                     runs[batch][2][dtype] = run_forced(s, oracle, batch)
             for batch, (name, cases, forced_runs) in runs.items():
-                record = run_record(s, batch, cases, forced_runs)
+                record = run_record(s, batch, cases, forced_runs, run_ragged(s, batch))
+                if s.primary and record["ragged"]:
+                    print(f"[parity {name}] ragged batch in float32, each row against its prompt alone: "
+                          f"{record['ragged']['verdict']}", flush=True)
                 st.write_json(f"parity/{name}.json", record)
                 st.metrics[f"b{batch}_rows_identical"] = float(all(c["rows_identical"] for c in cases))
                 if s.primary:
