@@ -22,8 +22,8 @@ PROMPTS = ["Hi", "The cat sat on a long mat today", "7 + 5 =", "Hello, evident! 
 NEW = 6
 
 
-def make(root, **over):
-    cfg = tinyev.config(bench={"backends": ["single"], "batch_sizes": [1, 4], "prompt": "Hi there", "prompts": PROMPTS,
+def make(root, dtype="float32", **over):
+    cfg = tinyev.config(dtype=dtype, bench={"backends": ["single"], "batch_sizes": [1, 4], "prompt": "Hi there", "prompts": PROMPTS,
                                "new_tokens": NEW, "warmup": 0, "repeats": 1, **over})
     ckpt, ev = tinyev.make(root, cfg)
     write_json(ev / "env.json", environment.describe("cpu"))  # the context stage's, which the cells cite
@@ -130,14 +130,18 @@ def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch
     assert read_json(ev / "stages/bench-single.json")["status"] == "failed"
 
 
-def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monkeypatch, dtype):
     """An injected bug of the batched prefill (tests/mutants.py `prefill_counts_padding`): a ragged row's padding
     counted in its length, so that its decode attends to the padding's cache entries. Same-prompt rows have no
     padding, so their cells cannot see it; the distinct-prompts rows check does, and no figure is written."""
     from engine.model import Transformer
 
+    clean = make(tmp_path / "clean", dtype)
+    run_bench(*clean)
+    assert read_json(clean[1] / "bench/single-distinct-b4.json")["rows_check"]["verdict"] != replay.MISMATCH
     monkeypatch.setattr(Transformer, "forward", mutants.mutated_module("prefill_counts_padding").Transformer.forward)
-    ckpt, ev = make(tmp_path)
+    ckpt, ev = make(tmp_path / "mutant", dtype)
     with pytest.raises(SystemExit, match="distinct prompts: row .* where its prompt alone picks .*no figure is"):
         run_bench(ckpt, ev)
     assert (ev / "bench/single-b4.json").is_file() and not (ev / "bench/single-distinct-b4.json").exists()

@@ -21,7 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow.evidence import read_json  # noqa: E402
+from workflow.evidence import read_config, read_json  # noqa: E402
+
+
+RUN = """
+import sys
+import engine
+assert engine.__file__.startswith(sys.argv[1]), engine.__file__
+from workflow.stages import bench
+bench.main(["--checkpoint", sys.argv[2], "--evidence", sys.argv[3], "--backend", "single", "--kernels", sys.argv[4],
+            "--batch-sizes", sys.argv[5]])
+"""
 
 
 def main() -> None:
@@ -39,11 +49,12 @@ def main() -> None:
     os.chmod(ev, 0o755)
     for p in ev.rglob("*"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    src = mutants.scratch(a.work / "src", a.mutant)
+    src = mutants.scratch(a.work / "src", a.mutant).resolve()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, "-m", "workflow.stages.bench", "--checkpoint", str(ckpt), "--evidence", str(ev),
-                        "--backend", "single", "--batch-sizes", a.batch_sizes], env=env, cwd=REPO, text=True,
-                       capture_output=True)
+    kernels = read_config(ev / "config.yaml")["bench"]["kernels"]  # the campaign's decode path
+    # run in the scratch directory: the interpreter puts it first on sys.path, so `engine` is the mutated copy
+    p = subprocess.run([sys.executable, "-c", RUN, str(src), str(ckpt.resolve()), str(ev.resolve()), kernels,
+                        a.batch_sizes], env=env, cwd=src, text=True, capture_output=True)
     print(p.stdout[-3000:], p.stderr[-3000:], f"[{a.mutant}] bench exit {p.returncode}", sep="\n")
     for cell in sorted((ev / "bench").glob("single-*.json")):
         c = read_json(cell)
