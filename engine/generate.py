@@ -1,8 +1,9 @@
 """Greedy batched generation over the engine's Transformer.
 
 The prompts are prefilled together (one forward of the batch, ragged prompts padded on the right; each row is a
-row of the cache with its own length), then all unfinished rows decode together, one batched forward per step. Under expert parallelism every rank calls ``generate`` in lockstep with the same
-prompts; the combined logits are identical on every rank, so every rank picks the same tokens. Usage::
+row of the cache with its own length), then all unfinished rows decode together, one batched forward per step.
+Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
+identical on every rank, so every rank picks the same tokens. Usage::
 
     python -m engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
     torchrun --nproc_per_node 2 -m engine.generate --backend host-staged --checkpoint DIR --prompt-ids 1,2,3

@@ -5,6 +5,7 @@ broken variant B failing the gate after sealing, the SUMMARY section, and (on a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,10 @@ def cpu_run(tmp_path_factory):
     ev = tmp_path_factory.mktemp("cpu") / "ev"
     cfg = write_config(ev, "cpu", inputs=16, **C4)
     assert cfg["overlap"]["trials"] == 200  # a schema default
+    # the interpreter, as the rule sets it for a CPU campaign: a GPU machine's environment has no TRITON_INTERPRET
     proc = subprocess.run([sys.executable, "-m", "workflow.stages.overlap", "--evidence", str(ev)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return ev, proc.stdout
 

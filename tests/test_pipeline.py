@@ -366,10 +366,13 @@ def test_v4_campaign_is_token_exact_against_transformers(v4_run):
     assert manifest["verdict"] == "all_token_text_exact" and manifest["gates"]["parity"] == "all_token_text_exact"
     comparison = json.loads((ev / "parity/comparison.json").read_text())
     assert comparison["verdict"] == "all_token_text_exact"
-    cells = comparison["cells"]
+    cells = [c for c in comparison["cells"] if c["case"] != "ragged"]
     assert sorted({(c["backend"], c["kernels"], c["batch"]) for c in cells}) == [("single", "torch", 1),
                                                                                   ("single", "torch", 2)]
     assert len(cells) == 2 * len(V4["cases"])
+    ragged = [c for c in comparison["cells"] if c["case"] == "ragged"]  # b2: two cases' prompts of their own lengths
+    assert [(c["batch"], c["verdict"], c["ragged"]["verdict"]) for c in ragged] == [
+        (2, "all_token_text_exact", "rows_as_alone")]
     for c in cells:  # every case, free-running and teacher-forced in float32
         assert c["verdict"] == "all_token_text_exact" and c["first_divergence"] is None, c
         assert c["logic"]["pass"] and c["logic"]["max"] < 1e-4 and c["logic"]["top1_agreement"] == 1.0, c

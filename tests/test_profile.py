@@ -72,7 +72,7 @@ def test_summary_section(cpu_run):
 
 
 def test_ranges_cover_exactly_the_decode_steps(tmp_path, monkeypatch):
-    """The workload is engine.generate: its prefill (one forward per row) inside `prefill`, then the CUDA profiler
+    """The workload is engine.generate: its prefill (one forward of every row) inside `prefill`, then the CUDA profiler
     range opened before the first decode step and closed after the last, one forward per `decode_step_<i>`."""
     from engine.checkpoint import load_model
 
@@ -93,7 +93,7 @@ def test_ranges_cover_exactly_the_decode_steps(tmp_path, monkeypatch):
     model.register_forward_hook(lambda *_: log.append("forward"))
     times = profilers.decode_steps(model, [5, 6, 7], batch=2, steps=3, cuda=False, profiled=True)
     steps = [x for i in range(3) for x in (f"decode_step_{i}", "forward", f"/decode_step_{i}")]
-    assert log == ["prefill", "forward", "forward", "/prefill", "start", *steps, "stop"]
+    assert log == ["prefill", "forward", "/prefill", "start", *steps, "stop"]
     assert len(times) == 3 and all(t > 0 for t in times)
 
 

@@ -105,6 +105,35 @@ def test_a_served_engine_bug_is_an_accuracy_gap_at_token_level(shared):
     assert any(c["logic"] and not c["logic"]["pass"] for c in result["cells"])  # the forced check sees it
 
 
+@pytest.fixture(scope="module")
+def shared_bf16(tmp_path_factory):
+    """`shared` in a bf16 campaign: the oracle in bf16 beside its float32 reference."""
+    from workflow.stages import oracle
+
+    root = tmp_path_factory.mktemp("targets-bf16")
+    ckpt, ev = tinyev.make(root, tinyev.config(dtype="bfloat16", parity=PARITY, cases=CASES))
+    oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+    return root, ckpt, ev, read_json(ev / "oracle/hf.json")
+
+
+def test_a_bf16_served_engine_is_held_by_the_precision_check(shared_bf16):
+    """A server in a bf16 campaign computes in bf16: its echoed log-probs cannot feed the float32 logic check (recorded
+    as not checked), so the precision check decides. The engine served clean passes it; with a routing bug it fails."""
+    root, ckpt, _, _ = shared_bf16
+    with mutants.serving({"clean": (root / "clean", None, ckpt, "bfloat16"),
+                          "bug": (root / "bug", "route_drop_smallest", ckpt, "bfloat16")}) as urls:
+        clean = held(shared_bf16, {"name": "clean-served", "kind": "openai", "url": urls["clean"]}, (1,))
+        bug = held(shared_bf16, {"name": "bug-served", "kind": "openai", "url": urls["bug"]}, (1,))
+    for result, name in ((clean, "clean-served"), (bug, "bug-served")):
+        assert result["targets"][name]["level"] == "token" and "logic" in result["targets"][name]["not_checked"]
+        assert result["forced"][0]["precision"]["applies"]
+    assert clean["verdict"] not in DEFECTS and clean["forced"][0]["precision"]["pass"], clean["first_divergence"]
+    assert bug["verdict"] in DEFECTS and not bug["forced"][0]["precision"]["pass"]
+    assert bug["forced"][0]["precision"]["ratio"] > 2 * clean["forced"][0]["precision"]["ratio"]
+    print(f"\nbf16 served: clean {clean['verdict']} ratio {clean['forced'][0]['precision']['ratio']:.3f}, "
+          f"route_drop_smallest {bug['verdict']} ratio {bug['forced'][0]['precision']['ratio']:.3f}")
+
+
 # --- a command target --------------------------------------------------------------------------------------------
 
 def test_a_command_target_passes_and_its_engine_bug_fails(shared):
