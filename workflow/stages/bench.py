@@ -141,9 +141,9 @@ def contract(s: Session, texts: list[str], rows: list[list[int]], prompts: str) 
 
 def rows_margin(evidence: Path, config: dict) -> tuple[float, dict | None]:
     """The rows check's near-tie margin: parity's, measured from the oracle's record where there is one (a campaign
-    that runs the oracle stage: bench.smk waits for it), else the dtype's floor. On random weights in bf16 the floor (0.5) is
-    under the noise: transformers' own batch of 4 distinct prompts, left-padded, parted from a row alone by 0.875
-    on the DeepSeek-V2-Lite shape (H200)."""
+    that runs the oracle stage: bench.smk waits for it), else the dtype's floor. On random weights in bf16 the floor
+    (0.5) is under the noise: transformers' own batch of 4 distinct prompts, left-padded, parted from a row alone by
+    0.875 on the DeepSeek-V2-Lite shape (H200)."""
     oracle = evidence / "oracle/hf.json"
     transformers = logprobs.transformers_errors(read_json(oracle)) if oracle.is_file() else {}
     return logprobs.near_tie_margin(config["dtype"], transformers, config["parity"].get("near_tie_margin"))

@@ -12,8 +12,9 @@ bf16 or fp16 campaign, again in float32 (the model loaded a second time), the lo
 
 A batch of B >= 2 also runs ragged, in float32 (`ragged`): row r the prompt of case r mod n, the prompts of different
 lengths prefilled together, greedy; each row must decode as its prompt alone does through the same path, within the
-logic tolerance (two float32 computations of a row cannot both prefer different tokens by more than it). A same-prompt batch has no padding to get wrong; in bf16 on random weights rounding hides what
-float32 shows (engine/DECODE.md, "Batched prefill").
+logic tolerance (two float32 computations of a row cannot both prefer different tokens by more than it). A
+same-prompt batch has no padding to get wrong; in bf16 on random weights rounding hides what float32 shows
+(engine/DECODE.md, "Batched prefill").
 """
 
 from __future__ import annotations
