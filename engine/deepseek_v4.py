@@ -480,6 +480,10 @@ class V4Transformer(nn.Module):
         self.ropes = {k: Rope(rp, args.qk_rope_head_dim, args.max_position_embeddings)
                       for k, rp in args.rope_parameters.items()}
 
+    # no right-padded rows: a padded token would enter the sliding window and the compressors (generate prefills one
+    # forward per prompt length)
+    takes_padding = False
+
     def new_cache(self, rows: int, max_len: int) -> V4Cache:
         return V4Cache.for_model(self, rows, max_len)
 

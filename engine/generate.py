@@ -80,8 +80,9 @@ def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]]) -
     prompt length, each over the rows of that length.
     """
     device = model.embed_tokens.weight.device
-    groups = ({None: range(len(prompts))} if getattr(model, "takes_padding", False)
-              else {n: [r for r, p in enumerate(prompts) if len(p) == n] for n in dict.fromkeys(map(len, prompts))})
+    groups: dict[int, list[int]] = {}
+    for r, p in enumerate(prompts):
+        groups.setdefault(0 if model.takes_padding else len(p), []).append(r)
     out: list[torch.Tensor | None] = [None] * len(prompts)
     for rows in groups.values():
         lengths = [len(prompts[r]) for r in rows]
@@ -123,7 +124,7 @@ def forced(model: Transformer, prompts: list[list[int]], continuations: list[lis
     B = len(prompts)
     with torch.inference_mode():  # the cache too: a graph step's cache is reset in place
         cache = _cache(model, B, len(prompts[0]) + steps)
-        observe(torch.stack(_prefill(model, cache, prompts)))
+        observe(model(torch.tensor(prompts, device=model.embed_tokens.weight.device), cache))  # one length
         for i in range(steps - 1):
             observe(_decode(model, cache, [c[i] for c in continuations], list(range(B)))[:, None])
 

@@ -108,7 +108,7 @@ class Problem:
 
     def __init__(self, K: int, sizes: list[int], out_dtypes: list[torch.dtype], gemm_n: int,
                  dtype: torch.dtype, device: str):
-        self.K, self.sizes, self.out_dtypes, self.gemm_n, self.dtype, self.device = K, sizes, out_dtypes, gemm_n, dtype, device
+        self.K, self.sizes, self.out_dtypes, self.device = K, sizes, out_dtypes, device
         self.x = torch.empty(K, dtype=dtype, device=device)
         self.w = torch.empty(sum(sizes), K, dtype=dtype, device=device)
         self.parts = list(self.w.split(sizes))

@@ -37,8 +37,7 @@ def main() -> None:
     cases = []
     for c in req["cases"]:
         prompts = [c["prompt_ids"]] * req["batch"]
-        with torch.inference_mode():
-            gen = generate(model, prompts, c["max_new_tokens"], eos_token_id=req.get("eos_token_ids"))
+        gen = generate(model, prompts, c["max_new_tokens"], eos_token_id=req.get("eos_token_ids"))
         case = {"name": c["name"], "rows": [{"generated_ids": ids} for ids in gen.tokens]}
         if "forced_ids" in c:
             pos = Positions(req["top_k"], c["score_ids"])

@@ -77,13 +77,17 @@ V4_MUTANTS = {
 LOGIC = [n for n, m in MUTANTS.items() if m[0] == "logic"]
 PRECISION = [n for n, m in MUTANTS.items() if m[0] == "precision"]
 ROWS = [n for n, m in MUTANTS.items() if m[0] == "rows"]
-PARITY_MUTANTS = LOGIC + PRECISION + ROWS  # what the parity gate must see
+
+
+def module_of(name: str) -> str:
+    """The engine module mutant `name` edits."""
+    return "engine.deepseek_v4" if name in V4_MUTANTS else "engine.model"
 
 
 def mutated_source(name: str) -> str:
     """engine/model.py with mutant `name` applied (engine/deepseek_v4.py for a V4_MUTANTS one)."""
     _, _, old, new = MUTANTS[name] if name in MUTANTS else V4_MUTANTS[name]
-    file = "engine/model.py" if name in MUTANTS else "engine/deepseek_v4.py"
+    file = module_of(name).replace(".", "/") + ".py"
     text = (REPO / file).read_text()
     if text.count(old) != 1:  # the engine moved on: the mutant must be rewritten, not silently skipped
         raise AssertionError(f"mutant {name}: {old!r} occurs {text.count(old)} times in {file}")
@@ -95,8 +99,19 @@ def scratch(root: Path, name: str | None) -> Path:
     dst = root / "engine"
     shutil.copytree(REPO / "engine", dst, ignore=shutil.ignore_patterns("__pycache__"))
     if name is not None:
-        (dst / "model.py").write_text(mutated_source(name))
+        (root / (module_of(name).replace(".", "/") + ".py")).write_text(mutated_source(name))
     return root
+
+
+# the opening of a `python -c` program run on a scratch copy (sys.argv[1]: its root): it must import the copy
+GUARD = "import sys\nimport engine\nassert engine.__file__.startswith(sys.argv[1]), engine.__file__\n"
+
+
+def env(src: Path) -> dict:
+    """The environment of a subprocess that imports `engine` from the scratch copy under src (and the rest from the
+    tree). Python puts a `-c` program's or a `-m` module's working directory first on sys.path: run it in src."""
+    path = [str(src), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def endpoint_name(name: str) -> str:
@@ -112,9 +127,7 @@ def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
     from workflow import targets
 
     src = scratch(root, name)
-    path = [str(src), str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    with targets.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}) as (url, _):
+    with targets.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src, env=env(src)) as (url, _):
         yield url
 
 
@@ -143,7 +156,7 @@ def serving(servers: dict):
 
 def mutated_module(name: str) -> types.ModuleType:
     """engine/model.py (engine/deepseek_v4.py for a V4 mutant) with mutant `name` applied, as a module."""
-    target = "engine.deepseek_v4" if name in V4_MUTANTS else "engine.model"
+    target = module_of(name)
     mod = types.ModuleType(f"{target}_mutant")
     mod.__package__ = "engine"
     exec(compile(mutated_source(name), f"{target} ({name})", "exec"), mod.__dict__)

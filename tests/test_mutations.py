@@ -9,7 +9,6 @@ prints the table of figures against the tolerances.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -33,10 +32,7 @@ CASES = [{"name": "greeting", "prompt": "Hello, evident! The engine says", "max_
          {"name": "arithmetic", "prompt": "Question: what is 12 + 30?\nAnswer:", "max_new_tokens": 24},
          {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 16}]
 # runs in the scratch directory, so that `engine` is the mutated copy (first on PYTHONPATH), never the tree's
-RUN = """
-import sys
-import engine
-assert engine.__file__.startswith(sys.argv[1]), engine.__file__
+RUN = mutants.GUARD + """
 from workflow.stages import compare, parity
 for ckpt, ev in zip(sys.argv[2::2], sys.argv[3::2]):
     parity.main(["--checkpoint", ckpt, "--evidence", ev, "--backend", "single", "--batch-sizes", "1,2"])
@@ -56,16 +52,15 @@ def results(tmp_path_factory) -> dict:
         oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
         shared[dtype] = (ckpt, ev)
     out = {}
-    for name in [None, *mutants.PARITY_MUTANTS]:
+    for name in [None, *mutants.MUTANTS]:
         work = root / f"mutant-{name}"
         src = mutants.scratch(work / "src", name)
         args = []
         for dtype, (ckpt, ev) in shared.items():
             shutil.copytree(ev, work / dtype, ignore=shutil.ignore_patterns("parity"))
             args += [str(ckpt), str(work / dtype)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(mutants.REPO)])}
-        p = subprocess.run([sys.executable, "-c", RUN, str(src), *args], cwd=work, env=env, capture_output=True,
-                           text=True, timeout=600)
+        p = subprocess.run([sys.executable, "-c", RUN, str(src), *args], cwd=work, env=mutants.env(src),
+                           capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"mutant {name}: {p.stderr[-3000:]}"
         out[name] = {dtype: read_json(work / dtype / "parity/comparison.json") for dtype in DTYPES}
     _print_table(out)

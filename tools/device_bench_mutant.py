@@ -21,13 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow.evidence import read_config, read_json  # noqa: E402
+from workflow.estimate import cache_dir  # noqa: E402
+from workflow.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
 
 
-RUN = """
-import sys
-import engine
-assert engine.__file__.startswith(sys.argv[1]), engine.__file__
+RUN = mutants.GUARD + """
 from workflow.stages import bench
 bench.main(["--checkpoint", sys.argv[2], "--evidence", sys.argv[3], "--backend", "single", "--kernels", sys.argv[4],
             "--batch-sizes", sys.argv[5]])
@@ -39,22 +37,22 @@ def main() -> None:
     ap.add_argument("evidence", type=Path, help="the campaign's evidence directory")
     ap.add_argument("--mutant", required=True, choices=sorted(mutants.MUTANTS))
     ap.add_argument("--batch-sizes", default="8")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="default: the one under .evident/checkpoints")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="default: the campaign's (its cache directory)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-mutant"))
     a = ap.parse_args()
-    ckpt = a.checkpoint or next((REPO / ".evident/checkpoints").glob("*/config.json")).parent
+    cfg = read_config(a.evidence / "config.yaml")
+    ckpt = a.checkpoint or (Path(cfg["checkpoint"]["path"]) if cfg["checkpoint"]["source"] == "local"
+                            else REPO / cache_dir(cfg))
     shutil.rmtree(a.work, ignore_errors=True)
     ev = a.work / "evidence"
     shutil.copytree(a.evidence, ev, ignore=shutil.ignore_patterns("bench", "bench-*.json", "SUMMARY.md"))
-    os.chmod(ev, 0o755)
-    for p in ev.rglob("*"):
-        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    for p in [ev, *ev.rglob("*")]:  # writable again (files fetched from the lent machine arrive read-only)
+        os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE)
     src = mutants.scratch(a.work / "src", a.mutant).resolve()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    kernels = read_config(ev / "config.yaml")["bench"]["kernels"]  # the campaign's decode path
-    # run in the scratch directory: the interpreter puts it first on sys.path, so `engine` is the mutated copy
-    p = subprocess.run([sys.executable, "-c", RUN, str(src), str(ckpt.resolve()), str(ev.resolve()), kernels,
-                        a.batch_sizes], env=env, cwd=src, text=True, capture_output=True)
+    # in the scratch directory, so that `engine` is the mutated copy (mutants.env)
+    p = subprocess.run([sys.executable, "-c", RUN, str(src), str(ckpt.resolve()), str(ev.resolve()),
+                        cfg["bench"]["kernels"], a.batch_sizes], env=mutants.env(src), cwd=src, text=True,
+                       capture_output=True)
     print(p.stdout[-3000:], p.stderr[-3000:], f"[{a.mutant}] bench exit {p.returncode}", sep="\n")
     for cell in sorted((ev / "bench").glob("single-*.json")):
         c = read_json(cell)

@@ -114,7 +114,7 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
             with contextlib.ExitStack() as stack:
                 for m in models.values():
                     stack.enter_context(mutants.applied(m, name))
-                records = []
+                records, alone = [], {}
                 for b in batches:
                     s.model = models[cfg["dtype"]]
                     cases = parity.run_batch(s, b, f"{name} b{b}")
@@ -123,7 +123,7 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
                         s.model = m
                         forced_runs[dtype] = parity.run_forced(s, o, b)
                     # the last model is float32, as the stage's last load
-                    records.append(parity.run_record(s, b, cases, forced_runs, parity.run_ragged(s, b)))
+                    records.append(parity.run_record(s, b, cases, forced_runs, parity.run_ragged(s, b, alone)))
             # the stage's own margin rule (a bf16 campaign's measured noise): a fixed floor judged a mutant's
             # divergence at a margin the unmutated run's comparison calls a near-tie
             result = compare.compare_parity(o, records, cfg["parity"])

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+sys.path.insert(0, str(REPO))
+
+from engine.config import CSA as C, HASH_MOE, HCA as H, MOE, SLIDING as S  # noqa: E402
 
 
 def draw(rng: random.Random) -> dict:
@@ -27,7 +30,7 @@ def draw(rng: random.Random) -> dict:
     hashed = rng.randint(0, min(2, layers - 1))
     cfg = {
         "num_hidden_layers": layers, "layer_types": types,
-        "mlp_layer_types": ["hash_moe"] * hashed + ["moe"] * (layers - hashed),
+        "mlp_layer_types": [HASH_MOE] * hashed + [MOE] * (layers - hashed),
         "hc_mult": rng.randint(1, 4), "index_topk": rng.randint(1, 5), "sliding_window": rng.randint(4, 16),
         "compress_rates": {C: rng.randint(2, 4), H: rng.randint(5, 12)},
         "scoring_func": rng.choice(["sqrtsoftplus", "sigmoid"]), "num_experts_per_tok": rng.randint(1, 3),

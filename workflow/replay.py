@@ -96,6 +96,14 @@ def replay(model, prompts: list[list[int]], tokens: list[list[int]], hf: bool = 
     return rows
 
 
+def decide(diffs: list[dict], sure, tie: float) -> tuple[dict | None, str]:
+    """The rows rule over a batch's differences from its rows alone: the difference both computations were surest
+    of (`sure(d)`: the smaller of their preferences), and `row_mismatch` where that exceeds the near-tie margin `tie`,
+    `near_tie_differences` where none does, `rows_as_alone` where there is none."""
+    worst = max(diffs, key=sure, default=None)
+    return worst, AS_ALONE if not diffs else MISMATCH if sure(worst) > tie else NEAR_TIES
+
+
 def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: list[list[float]] | None = None,
                 near_tie: tuple[float, dict | None] | None = None) -> dict:
     """Each row's tokens against its prompt alone (`replay`'s picks along the row's own tokens, so one early
@@ -111,9 +119,7 @@ def alone_check(rows: list[Row], tokens: list[list[int]], dtype: str, margins: l
     diffs = [{"row": r, "step": i + 1, "token": gen[i], "alone_token": row.alone[i], "gap": row.gaps[i],
               "batch_margin": margins[r][i] if margins else None}
              for r, (row, gen) in enumerate(zip(rows, tokens)) for i in range(len(gen)) if row.alone[i] != gen[i]]
-    sure = lambda d: min(d["gap"], d["batch_margin"]) if margins else d["gap"]  # noqa: E731
-    worst = max(diffs, key=sure, default=None)
-    verdict = AS_ALONE if not diffs else MISMATCH if sure(worst) > tie else NEAR_TIES
+    worst, verdict = decide(diffs, lambda d: min(d["gap"], d["batch_margin"]) if margins else d["gap"], tie)
     return {"rule": "each row against its prompt alone, teacher-forced along the row's tokens: a different pick "
                     "where the row alone prefers its own by more than the near-tie margin (logits), and the batch "
                     "its own by more than it where the batch's margins are known, fails the cell",

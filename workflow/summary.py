@@ -119,9 +119,11 @@ def render(evidence_dir: str | Path, git: dict) -> str:
     commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted source diff {git['dirty'][:8]}" if git.get("dirty") else "")
     device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
     skipped = [s for s in STAGES if s not in config["stages"]]
-    # the oracle's and the comparison's documents, each read once (absent when the campaign runs neither)
+    # the oracle's and the comparison's documents and summary.csv, each read once (absent when the campaign runs
+    # neither)
     oracle, comparison = (read_json(root / rel) if (root / rel).is_file() else None
                           for rel in ("oracle/hf.json", "parity/comparison.json"))
+    frames = bench_frames(root)
     out = [
         f"## Evidence: `{config['campaign']}` / `{root.name}`",
         "",
@@ -139,8 +141,8 @@ def render(evidence_dir: str | Path, git: dict) -> str:
              for name, f in ckpt["files"].items() if name.endswith(".safetensors")]),
         "",
         *oracle_section(oracle, comparison, config),
-        *bench_section(root),
-        *http_section(root),
+        *bench_section(root, frames, config),
+        *http_section(root, frames, config),
         *overlap_section(root),
         *audit_section(root),
         *quality_section(root),
@@ -158,11 +160,11 @@ def render(evidence_dir: str | Path, git: dict) -> str:
            + (", and `distinct`, the campaign's prompts one a row" if config["bench"].get("prompts") else "")
            + "; EOS ignored; noisy cells make no claim. The floor is a model of the bytes a step must read, over a "
              "measured copy bandwidth, not a measurement of the step."]
-          if (root / "bench/summary.csv").is_file() else []),
+          if frames is not None else []),
         *([f"- HTTP figures are the client's, on loopback (127.0.0.1) on this machine: they include the server's "
            "HTTP, JSON and event-stream work and its batching, not a network; a URL target's server ran wherever it "
            "ran. A figure holds for its concurrency, with every request of a round sent at once."]
-          if http_rows(root) is not None else []),
+          if frames and frames[1] is not None else []),
         "",
     ]
     return "\n".join(out)
@@ -225,15 +227,15 @@ def parity_claims(oracle: dict | None, comparison: dict | None, config: dict, en
     ]
 
 
-def bench_section(root: Path) -> list[str]:
-    if not (root / "bench/summary.csv").is_file():
+def bench_section(root: Path, frames=None, config: dict | None = None) -> list[str]:
+    """The in-process benchmark; `frames` (bench_frames) and `config` as render read them, else read here."""
+    frames = frames or bench_frames(root)
+    if frames is None:
         return []
-    import pandas as pd
+    from workflow.benchstats import markdown_table
 
-    from workflow.benchstats import by_transport, markdown_table
-
-    cfg = read_config(root / "config.yaml")["bench"]
-    frame = by_transport(pd.read_csv(root / "bench/summary.csv"))[0]  # the HTTP rows: http_section
+    cfg = (config or read_config(root / "config.yaml"))["bench"]
+    frame = frames[0]  # the HTTP rows: http_section
     cells = _bench_cells(root)
     out = [
         f"### Decode benchmark ({cfg['new_tokens']} new tokens, {cfg['warmup']} warm-up + {cfg['repeats']} measured "
@@ -256,30 +258,33 @@ def bench_section(root: Path) -> list[str]:
     return out
 
 
-def http_rows(root: Path):
-    """summary.csv's rows of the benchmark over HTTP, or None where it has none."""
+def bench_frames(root: Path):
+    """summary.csv read once: (its in-process rows, its rows of the benchmark over HTTP or None where it has none), or
+    None where the campaign wrote no summary.csv."""
     if not (root / "bench/summary.csv").is_file():
         return None
     import pandas as pd
 
     from workflow.benchstats import by_transport
 
-    rows = by_transport(pd.read_csv(root / "bench/summary.csv"))[1]
-    return rows if len(rows) else None
+    inproc, http = by_transport(pd.read_csv(root / "bench/summary.csv"))
+    return inproc, (http if len(http) else None)
 
 
 def _ms(r, metric: str) -> str:
     return " / ".join(f"{getattr(r, f'{metric}_{q}_ms'):.2f}" for q in ("p50", "p95", "p99"))
 
 
-def http_section(root: Path) -> list[str]:
-    """The benchmark over HTTP: each cell's percentiles, then the builtin engine over HTTP beside it in process."""
+def http_section(root: Path, frames=None, config: dict | None = None) -> list[str]:
+    """The benchmark over HTTP: each cell's percentiles, then the builtin engine over HTTP beside it in process;
+    `frames` and `config` as bench_section takes them."""
     from workflow.benchstats import known
 
-    rows = http_rows(root)
+    frames = frames or bench_frames(root)
+    rows = frames and frames[1]
     if rows is None:
         return []
-    cfg = read_config(root / "config.yaml")["bench"]
+    cfg = (config or read_config(root / "config.yaml"))["bench"]
     cells = [[f"`{r.target}`", SHORT.get(r.prompts, str(r.prompts)), str(int(r.concurrency)),
               *((_ms(r, m) for m in ("ttft", "tpot", "itl", "e2e")) if not known(r.refused) else
                 [f"no figure: {r.refused}", "", "", ""]),

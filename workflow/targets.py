@@ -41,6 +41,7 @@ from workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = "engine"  # the builtin engine through its own server, as the quality and HTTP bench stages name it
+BUILTIN = "builtin"  # its kind (an `engines:` entry may not take it)
 # names a target may not take: the builtin engine's runs, transformers' bench cells, the quality stage's own targets
 # and its gate file (quality/gsm8k-<target>.json)
 RESERVED = frozenset({run_name(b, k) for b in BACKENDS for k in KERNELS} | set(BENCH_BACKENDS) | {ENGINE, "gate"})
@@ -108,7 +109,7 @@ def problems(config: dict) -> list[tuple[str, str]]:
         if e["name"] in seen:
             out.append((f"{at}.name", f"{e['name']!r} is given twice"))
         seen.add(e["name"])
-        if kind == "builtin":
+        if kind == BUILTIN:
             out.append((f"{at}.kind", "builtin: the engine of this repository always runs, as parity.backends x "
                                       "parity.kernels; `engines:` lists the others (kind openai or command)"))
             continue

@@ -94,7 +94,7 @@ PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *TARGETS] for n in
 BENCH = [f"{E}/bench/{runs.bench_cell(b, n, p)}.json" for b in config["bench"]["backends"]
          for p in runs.bench_contracts(config["bench"]) for n in config["bench"]["batch_sizes"]]
 # the benchmark over HTTP's targets: the builtin engine's server (`engine`), `engines:` entries of kind openai as given
-HTTP_TARGETS = {t: TARGETS.get(t) or {"name": t, "kind": "builtin"} for t in targets.bench_targets(config)}
+HTTP_TARGETS = {t: TARGETS.get(t) or {"name": t, "kind": targets.BUILTIN} for t in targets.bench_targets(config)}
 HTTP_BENCH = ([f"{E}/bench/{runs.http_cell(t, c, p)}.json" for t in HTTP_TARGETS
                for p in runs.bench_contracts(config["bench"]) for c in config["bench"]["http"]["concurrency"]]
               if "serve_bench" in config["stages"] else [])
@@ -157,14 +157,14 @@ if USES_GPU and workflow.is_main_process:  # the local pool: the first N visible
               "GPU jobs wait for a free device", file=sys.stderr)
 
 
-def target_gpus(wildcards):
-    """GPUs of an engine target's parity run: one where it runs an engine here (a serve or command target)."""
-    return 0 if "url" in TARGETS[wildcards.target] else 1
+def served_gpus(specs):
+    """GPUs of a job of a target of `specs`: one where it runs an engine here (the builtin's server, a serve or command
+    target), none for a URL."""
+    return lambda wildcards: 0 if "url" in specs[wildcards.target] else 1
 
 
-def http_gpus(wildcards):
-    """GPUs of the benchmark over HTTP of a target: one where its server runs here (the engine's, or a serve command)."""
-    return 0 if "url" in HTTP_TARGETS[wildcards.target] else 1
+target_gpus = served_gpus(TARGETS)  # an engine target's parity run
+http_gpus = served_gpus(HTTP_TARGETS)  # the benchmark over HTTP of a target
 
 
 def engine_gpus(wildcards):

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from engine.checkpoint import CheckpointError
-from engine.generate import forced, generate
+from engine.generate import Generation, forced, generate
 from workflow import logprobs, replay
 from workflow.checkpoints import CheckpointInvalid
 from workflow.evidence import read_json
@@ -59,11 +59,12 @@ def run_forced(s: Session, oracle: dict, batch: int) -> dict[str, dict]:
     return out
 
 
-def run_ragged(s: Session, batch: int) -> dict | None:
+def run_ragged(s: Session, batch: int, alone: dict[int, Generation]) -> dict | None:
     """The ragged batch in the model's dtype now (float32: parity's last load) against each of its prompts
     generated alone through the same path (so that only what batching changes can differ): where a row parts from
     its prompt alone, both runs' top-1/top-2 margins there decide, at the logic tolerance. Its cases, their prompt
-    lengths and the check; None where the rows' prompts share one length (batch 1, or one case)."""
+    lengths and the check; None where the rows' prompts share one length (batch 1, or one case). `alone` keeps each
+    case's run alone (by case index) for the next batch size."""
     cases = s.config["cases"]
     prompts = [s.tokenizer.encode(c["prompt"]).ids for c in cases]
     which = [r % len(cases) for r in range(batch)]
@@ -72,16 +73,15 @@ def run_ragged(s: Session, batch: int) -> dict | None:
     n, tol = max(c["max_new_tokens"] for c in cases), s.config["parity"]["logic_tolerance"]
     with torch.inference_mode():
         gen = generate(s.model, [prompts[i] for i in which], n)
-        alone = {i: generate(s.model, [prompts[i]], n) for i in sorted(set(which))}
+        for i in sorted(set(which) - alone.keys()):
+            alone[i] = generate(s.model, [prompts[i]], n)
     diffs = []
     for r, i in enumerate(which):
         own, ref = gen.tokens[r], alone[i].tokens[0]
         if (at := first_difference(ref, own)) is not None:
             diffs.append({"row": r, "case": cases[i]["name"], "step": at, "token": own[at], "alone_token": ref[at],
                           "batch_margin": gen.margins[r][at], "alone_margin": alone[i].margins[0][at]})
-    worst = max(diffs, key=lambda d: min(d["batch_margin"], d["alone_margin"]), default=None)
-    verdict = (replay.AS_ALONE if not diffs else
-               replay.MISMATCH if min(worst["batch_margin"], worst["alone_margin"]) > tol else replay.NEAR_TIES)
+    worst, verdict = replay.decide(diffs, lambda d: min(d["batch_margin"], d["alone_margin"]), tol)
     return {"cases": [cases[i]["name"] for i in which], "prompt_tokens": [len(prompts[i]) for i in which],
             "rule": "each row against its prompt alone, greedy through the same path: a first difference where both "
                     "runs prefer their own pick by more than the logic tolerance fails",
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> None:
                 s.reload(dtype)
                 for batch in args.batch_sizes:
                     runs[batch][2][dtype] = run_forced(s, oracle, batch)
+            alone = {}  # the ragged batches' prompts alone, once for every batch size
             for batch, (name, cases, forced_runs) in runs.items():
-                record = run_record(s, batch, cases, forced_runs, run_ragged(s, batch))
+                record = run_record(s, batch, cases, forced_runs, run_ragged(s, batch, alone))
                 if s.primary and record["ragged"]:
                     print(f"[parity {name}] ragged batch in float32, each row against its prompt alone: "
                           f"{record['ragged']['verdict']}", flush=True)

@@ -103,7 +103,7 @@ def openai_batch(client: targets.Client, name: str, oracle: dict, cases: list[di
 
 
 def command_batch(spec: dict, oracle: dict, cases: list[dict], batch: int, tok: Tokenizer, ckpt: Path, evidence: Path,
-                  dtype: str, device: str, top_k: int) -> list[dict]:
+                  dtype: str, device: str, top_k: int) -> tuple[list[dict], dict | None]:
     name = spec["name"]
     request = {"schema": "evident-request/1", "batch": batch, "top_k": top_k, "eos_token_ids": eos_ids(ckpt),
                "cases": [{"name": c["name"], "prompt_ids": oracle[c["name"]]["prompt_ids"],

@@ -28,12 +28,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from workflow import checkpoints, environment, targets
-from workflow.benchstats import BenchError, measured_with, summarize_http
+from workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
 from workflow.evidence import Stage, read_config, read_json, stage_args
 from workflow.privacy import scrub
 from workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
 
-BUILTIN = "builtin"  # the kind recorded for the builtin engine's target
 USAGE = {"stream_options": {"include_usage": True}}
 # what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
 EXTRAS = ({"ignore_eos": True, **USAGE}, USAGE, {})
@@ -43,7 +42,7 @@ BARRIER_S = 60  # a round's threads wait at most this long for each other
 @contextlib.contextmanager
 def target_url(spec: dict, ckpt: Path, dtype: str, device: str, kernels: str, log: Path):
     """The target's base URL: the builtin engine's server started here, or the `openai` entry's url or server."""
-    if spec["kind"] == BUILTIN:
+    if spec["kind"] == targets.BUILTIN:
         with targets.engine_server(ckpt, device, dtype, log, kernels=kernels) as (base, _):
             yield base
     else:
@@ -54,15 +53,18 @@ def target_url(spec: dict, ckpt: Path, dtype: str, device: str, kernels: str, lo
 def probe(client: targets.Client, prompt: str) -> dict:
     """The extras the server takes (EXTRAS, best first), found with one short untimed streaming request: a 4xx
     answers no, a 5xx is an error."""
-    for extra in EXTRAS:
+    def probe(extra: dict) -> dict:
+        for _ in client.stream({"prompt": prompt, "max_tokens": 2, **extra}):
+            pass
+        return extra
+
+    for extra in EXTRAS[:-1]:
         try:
-            for _ in client.stream({"prompt": prompt, "max_tokens": 2, **extra}):
-                pass
-            return extra
+            return probe(extra)
         except targets.ServerError as e:
-            if e.status >= 500 or not extra:
+            if e.status >= 500:
                 raise
-    raise AssertionError("unreachable: the last extra is none")
+    return probe(EXTRAS[-1])  # none: an error now is the server's
 
 
 def one_request(client: targets.Client, body: dict, start: threading.Barrier, tok: Tokenizer) -> dict:
@@ -131,7 +133,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
     bench, name, kind = config["bench"], spec["name"], spec["kind"]
     device = environment.resolve_device(config["device"])
     dtype = spec.get("dtype") or config["dtype"]
-    builtin = kind == BUILTIN
+    builtin = kind == targets.BUILTIN
     where = device if builtin or "serve" in spec else None  # a url's server runs wherever it runs
     params = {"target": name, "kind": kind, "concurrency": bench["http"]["concurrency"], "dtype": dtype,
               "device": where, **({"kernels": bench["kernels"]} if builtin else {})}
@@ -165,7 +167,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
                         **cell, "versions": versions, "model": model})
                     if (s := cell["stats"]) is not None:
                         key = f"c{c}" if prompts == SAME else f"distinct_c{c}"
-                        st.metrics.update({f"{key}_{m}_p50_ms": s[m]["p50"] for m in ("ttft", "tpot", "itl", "e2e")})
+                        st.metrics.update({f"{key}_{m}_p50_ms": s[m]["p50"] for m in HTTP_METRICS})
                         st.metrics[f"{key}_output_tok_s"] = s["output_tok_s"]
                         log(f"{label}: TTFT p50 {s['ttft']['p50']:.2f} ms, TPOT p50 {s['tpot']['p50']:.3f} ms, "
                             f"ITL p50 {s['itl']['p50']:.3f} ms, {s['output_tok_s']:.1f} output tok/s"
@@ -177,7 +179,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap: argparse.ArgumentParser = stage_args(__doc__, checkpoint=True)
     ap.add_argument("--spec", required=True, type=json.loads,
-                    help=f'the target: {{"name": "{targets.ENGINE}", "kind": "{BUILTIN}"}} or an `engines:` entry of '
+                    help=f'the target: {{"name": "{targets.ENGINE}", "kind": "{targets.BUILTIN}"}} or an `engines:` entry of '
                          "kind openai, as JSON")
     args = ap.parse_args(argv)
     try:
