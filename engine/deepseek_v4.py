@@ -137,9 +137,13 @@ class V4Cache:
     def reset(self) -> None:
         """Empty, in place (a captured graph holds the addresses). Masked positions still meet the values as a
         weight 0 times the value, so what an earlier sequence left (an inf would give a NaN) is zeroed too."""
-        self.lengths.zero_()
+        self.reset_rows(slice(None))
+
+    def reset_rows(self, rows: list[int] | slice) -> None:
+        """Empty these rows (for a new sequence each), the others untouched."""
+        self.lengths[rows] = 0
         for t in [*self.window, *(x for s in self.series.values() for x in (s.kv, s.gate, s.entries))]:
-            t.zero_()
+            t[rows] = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,8 +72,8 @@ def _cache(model: Transformer, rows: int, max_len: int) -> LatentCache:
     return graph.cache(rows, max_len) if graph is not None else model.new_cache(rows, max_len)
 
 
-def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every row's prompt into the cache (row r: prompts[r]) -> each row's logits [len(prompts[r]), vocab].
+def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]], slots: list[int]) -> list[torch.Tensor]:
+    """Each prompt into its cache row (prompts[i] into row slots[i]) -> each one's logits [len(prompts[i]), vocab].
 
     The rows go through together: one forward of the batch right-padded to its longest prompt, for a model that takes
     padding; else (DeepSeek-V4, whose window and compressor state a padded token would overwrite) one forward per
@@ -81,29 +81,84 @@ def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]]) -
     """
     device = model.embed_tokens.weight.device
     groups: dict[int, list[int]] = {}
-    for r, p in enumerate(prompts):
-        groups.setdefault(0 if model.takes_padding else len(p), []).append(r)
+    for i, p in enumerate(prompts):
+        groups.setdefault(0 if model.takes_padding else len(p), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(prompts)
-    for rows in groups.values():
-        lengths = [len(prompts[r]) for r in rows]
+    for group in groups.values():
+        lengths = [len(prompts[i]) for i in group]
         width = max(lengths)
-        tokens = torch.tensor([prompts[r] + [prompts[r][-1]] * (width - len(prompts[r])) for r in rows],
+        tokens = torch.tensor([prompts[i] + [prompts[i][-1]] * (width - len(prompts[i])) for i in group],
                               dtype=torch.long, device=device)
         extra = {} if len(set(lengths)) == 1 else {"lengths": torch.tensor(lengths, device=device)}
-        logits = model(tokens, cache, torch.tensor(list(rows), device=device), **extra)
-        for i, r in enumerate(rows):
-            out[r] = logits[i, :lengths[i]]
+        logits = model(tokens, cache, torch.tensor([slots[i] for i in group], device=device), **extra)
+        for k, i in enumerate(group):
+            out[i] = logits[k, :lengths[k]]
     return out
 
 
 def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[int]) -> torch.Tensor:
-    """One batched decode step -> logits [len(rows), vocab] of ``rows``; ``last`` holds every cache row's input
-    token (the graph step advances every row; the eager forward only ``rows``)."""
+    """One batched decode step -> logits [len(rows), vocab] of ``rows``; ``last`` holds the input token of every cache
+    row up to the last of ``rows`` (the graph step advances each of them; the eager forward only ``rows``)."""
     device = model.embed_tokens.weight.device
     if model.graph_decode is not None:
         return model.graph_decode.step(cache, torch.tensor(last, device=device))[rows]
     tokens = torch.tensor([[last[r]] for r in rows], dtype=torch.long, device=device)
     return model(tokens, cache, torch.tensor(rows, device=device))[:, -1]
+
+
+class Rows:
+    """Rows decoding together in one cache of ``slots`` rows: ``generate``'s loop, and a server's.
+
+    Rows ``join`` between steps, prefilled together into free slots (each at its own length); a ``step`` advances the
+    live rows together, one token each; a row ``leave``s when done and its slot is free for the next to join. The
+    graph step advances every slot up to the last live one: a free slot among them is stepped at position 0 and its
+    results never read, so it can never run past the cache."""
+
+    def __init__(self, model: Transformer, slots: int, max_len: int):
+        self.model = model
+        self.cache = _cache(model, slots, max_len)
+        self.last = [0] * slots  # each slot's input token for the next step
+        self.live = [False] * slots
+
+    def free(self) -> int:
+        return self.live.count(False)
+
+    def fits(self, prompt: list[int], new_tokens: int) -> bool:
+        """Whether a row of this prompt and new_tokens fits the cache (its length is fixed at the start)."""
+        return len(prompt) + new_tokens <= self.cache.max_len
+
+    def join(self, prompts: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
+        """Prompts prefilled together into free slots -> (their slots, each one's logits [len(prompt), vocab]: the
+        last position's picks its first token)."""
+        free = [s for s, on in enumerate(self.live) if not on]
+        if len(prompts) > len(free) or not all(self.fits(p, 0) for p in prompts):
+            raise ValueError(f"join: {len(prompts)} prompts for {len(free)} free slots of a cache of "
+                             f"{self.cache.max_len} positions")
+        slots = free[:len(prompts)]
+        self.cache.reset_rows(slots)
+        logits = _prefill(self.model, self.cache, prompts, slots)
+        for s in slots:
+            self.live[s] = True
+        return slots, logits
+
+    def pick(self, slots: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Greedy picks from these slots' logits [len(slots), vocab], each the input of its slot's next step ->
+        (ids, top1 - top2 margins)."""
+        ids, margins = _pick(logits, self.model.argmax_kernel)
+        for s, t in zip(slots, ids):
+            self.last[s] = t
+        return ids, margins
+
+    def leave(self, slot: int) -> None:
+        self.live[slot] = False
+
+    def step(self) -> tuple[list[int], torch.Tensor]:
+        """One batched decode step -> (the live slots, their logits [len, vocab])."""
+        width = max(s for s, on in enumerate(self.live) if on) + 1
+        if idle := [s for s in range(width) if not self.live[s]]:
+            self.cache.lengths[idle] = 0
+        live = [s for s in range(width) if self.live[s]]
+        return live, _decode(self.model, self.cache, self.last[:width], live)
 
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
@@ -158,33 +213,30 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     if max_new_tokens == 0:
         return out
 
-    done = [False] * B
     around = around or (lambda step, total: contextlib.nullcontext())
 
-    def emit(rows: list[int], logits: torch.Tensor) -> None:
+    def emit(slots: list[int], logits: torch.Tensor) -> None:
         if observe is not None:
-            observe(rows, logits)
-        ids, margins = _pick(logits, model.argmax_kernel)
-        for r, t, m in zip(rows, ids, margins):
+            observe(slots, logits)
+        for r, t, m in zip(slots, *rows.pick(slots, logits)):
             out.tokens[r].append(t)
             out.margins[r].append(m)
-            done[r] = t in eos or len(out.tokens[r]) >= max_new_tokens
-            if stop is not None and stop(r, out.tokens[r]):
-                done[r] = True
+            ended = t in eos or len(out.tokens[r]) >= max_new_tokens
+            if (stop is not None and stop(r, out.tokens[r])) or ended:  # stop hears of every token
+                rows.leave(r)
 
     with torch.inference_mode():
-        cache = _cache(model, B, max(len(p) for p in prompts) + max_new_tokens)
+        rows = Rows(model, B, max(len(p) for p in prompts) + max_new_tokens)
         with around(1, max_new_tokens):
-            emit(list(range(B)), torch.stack([t[-1] for t in _prefill(model, cache, prompts)]))
+            slots, logits = rows.join(prompts)  # slots 0..B-1, in order
+            emit(slots, torch.stack([t[-1] for t in logits]))
         if progress is not None:
             progress(1, max_new_tokens)
         for step in range(2, max_new_tokens + 1):
-            active = [r for r in range(B) if not done[r]]
-            if not active:
+            if rows.free() == B:  # every row done
                 break
             with around(step, max_new_tokens):
-                # a finished row's last token still feeds the graph step; its results are not read
-                emit(active, _decode(model, cache, [t[-1] for t in out.tokens], active))
+                emit(*rows.step())
             if progress is not None:
                 progress(step, max_new_tokens)
     return out

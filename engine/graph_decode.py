@@ -95,8 +95,8 @@ def _interleave_rope(model: Transformer) -> None:
 
 
 class CapturedStep:
-    """A decode step of every cache row, captured once per (rows, max_len) cache in a CUDA graph and replayed
-    (run eagerly without CUDA: ``graphs`` false). Subclasses set ``model``, ``graphs`` and ``caches = {}`` and
+    """A decode step of the first B rows of a cache, captured once per (rows, max_len) cache and B in a CUDA graph
+    and replayed (run eagerly without CUDA: ``graphs`` false). Subclasses set ``model``, ``graphs`` and ``caches = {}`` and
     give ``_step(cache, tokens)``; ``generate`` asks for a cache and steps through it."""
 
     bucket = 1  # cache lengths rounded up to a multiple of it: fewer shapes to capture (and compile)
@@ -113,19 +113,19 @@ class CapturedStep:
 
     def release(self) -> None:
         """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
-        for _, state in self.caches.values():
-            if "graph" in state:
+        for _, widths in self.caches.values():
+            for state in widths.values():
                 state["graph"].reset()
         self.caches.clear()
 
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (one per cache row) -> logits [B, vocab]; every row advances one position."""
+        """tokens [B] (one per cache row of the first B) -> logits [B, vocab]; each of them advances one position."""
         if not self.graphs:
             return self._step(cache, tokens)
         key = (cache.lengths.shape[0], cache.max_len)
         if key not in self.caches or self.caches[key][0] is not cache:
             raise ValueError("step: the cache must come from this graph path's cache(): its graph holds that one")
-        state = self.caches[key][1]
+        state = self.caches[key][1].setdefault(tokens.shape[0], {})  # a graph for each width stepped
         if "graph" not in state:
             from kernels.graphs import capture
 

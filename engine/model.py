@@ -94,6 +94,10 @@ class LatentCache:
         """Empty: positions past a row's length are never read."""
         self.lengths.zero_()
 
+    def reset_rows(self, rows: list[int]) -> None:
+        """Empty these rows (for a new sequence each), the others untouched."""
+        self.lengths[rows] = 0
+
     def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """Store c_kv [B,T,R] and k_pe [B,T,Dr] of rows [B] at positions pos [B,T]."""
         self.kv[layer, rows[:, None], pos] = c_kv.to(self.kv.dtype)

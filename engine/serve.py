@@ -15,18 +15,19 @@ with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is 
 past EOS to ``max_tokens``, as the benchmarks do. ``--kernels`` picks the decode path the campaign's stages time:
 ``torch`` ops, the Triton kernels (``engine.decode_kernels``) or the CUDA-graph step (``engine.graph_decode``).
 
-Static batching: one worker thread owns the model. A request's prompts are rows; the worker takes what has arrived
-within ``--batch-window-ms`` of the first row (or what queued while the last batch decoded), up to ``--max-batch``
-rows whose prompt lengths plus the batch's largest ``max_tokens`` fit the context, and decodes them as one
-``generate`` call. The batch's prompts prefill together (``generate``: ragged ones right-padded in one forward, the
-padding never read), each into its own cache row, and each row decodes at its own position (the cache keeps a length
-per row), so a row gets the tokens it gets alone (exactly in float32; in bf16 to rounding, which the bench's rows
-check measures). Every unfinished row
-advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string and is answered then. A row
-arriving meanwhile waits for the next batch, which starts when the longest row ends; a row whose client has gone
-ends at its next token. Not continuous batching, on purpose: ``generate`` is the decode loop that parity and the
-bench measure (the graph path's too), with a cache sized to its batch; rows joining mid-batch would need a second
-loop and a full-context cache row for every slot.
+Batching: one worker thread owns the model and runs ``generate``'s loop (``generate.Rows``: the prefill and the
+decode step that parity and the bench measure, the graph path's too). A request's prompts are rows; an idle worker
+takes what arrives within ``--batch-window-ms`` of the first row, up to ``--max-batch`` rows, prefills them together
+(ragged prompts right-padded in one forward, the padding never read), each into its own cache row at its own
+position, so a row gets the tokens it gets alone (exactly in float32; in bf16 to rounding, which the bench's rows check
+measures). Every unfinished row advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string
+and is answered then; a row whose client has gone ends at its next token. A row arriving while a batch decodes
+(``--join``):
+- ``step`` (the default): joins it at its next step, prefilled into a free slot between two steps, while the batch has
+  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (the cache is as long as
+  the batch's first rows need); else it waits for the next batch. The rows decoding meanwhile wait for its prefill.
+- ``batch``: waits for the next batch, which starts when the batch's last row ends.
+engine/DECODE.md measures the two ("Joining at the next step").
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
 stops as soon as one appears (log-probs still cover every generated token, as vLLM's). ``stream: true`` sends
@@ -57,11 +58,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from .generate import MAX_BATCH, fits, forced, generate
+from .generate import MAX_BATCH, Rows, fits
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
 WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
+JOINS = ("step", "batch")  # a row arriving while a batch decodes joins it at its next step, or waits for the next batch
 
 
 class BadRequest(Exception):
@@ -172,9 +174,11 @@ class Engine:
     """The loaded engine and its batching worker, the one thread that runs the model."""
 
     def __init__(self, model, tokenizer: Tokenizer, eos: list[int], model_id: str, max_batch: int = MAX_BATCH,
-                 window_s: float = WINDOW_S):
+                 window_s: float = WINDOW_S, join: str = JOINS[0]):
+        if join not in JOINS:
+            raise ValueError(f"join must be one of {JOINS}, got {join!r}")
         self.model, self.tok, self.eos, self.model_id = model, tokenizer, eos, model_id
-        self.max_batch, self.window_s = max_batch, window_s
+        self.max_batch, self.window_s, self.join = max_batch, window_s, join
         self.queue: queue.Queue = queue.Queue()
         self.dead: str | None = None  # why the worker stopped, once it has
         threading.Thread(target=self._work, daemon=True, name="batcher").start()
@@ -219,8 +223,9 @@ class Engine:
                 self._fail(self.queue.get(), f"the engine's worker stopped: {self.dead}")
 
     def _batch(self, waiting: list[Job]) -> list[Job]:
-        """Gather rows, run one batch; -> the rows left for the next. ``waiting`` keeps every row not yet answered,
-        so that a worker dying here answers them all."""
+        """Gather rows, run one batch until every row of it has ended; -> the rows left for the next. ``waiting`` keeps
+        every row not yet admitted, and ``live`` every admitted row not yet answered, so that a worker dying here
+        answers them all."""
         if not waiting:  # idle: the first row opens a window for the rows that come with it
             waiting.append(self.queue.get())
             deadline = time.monotonic() + self.window_s
@@ -229,45 +234,82 @@ class Engine:
                     waiting.append(self.queue.get(timeout=left))
                 except queue.Empty:
                     break
-        while len(waiting) < self.max_batch:  # and what queued while the last batch decoded
+        self._drain(waiting)  # and what queued while the last batch decoded
+        batch = self._admit(waiting, self.max_batch, lambda j: True)
+        if not batch:
+            return waiting
+        live: dict[int, Job] = {}  # slot -> its row
+        try:  # join "step": a slot for every row a batch may hold, the cache as long as its first rows need
+            rows = Rows(self.model, self.max_batch if self.join == "step" else len(batch),
+                        max(len(j.ids) + j.max_tokens for j in batch))
+            self._start(rows, batch, live)
+            while live:
+                self._emit(rows, live, *rows.step())
+                if self.join == "step" and rows.free():
+                    self._drain(waiting)
+                    if joining := self._admit(waiting, rows.free(), lambda j: rows.fits(j.ids, j.max_tokens)):
+                        batch += joining
+                        self._start(rows, joining, live)
+        except Exception as e:  # noqa: BLE001 - reported to every row of the batch still waiting
+            for j in batch:
+                if j.finish is None:
+                    self._fail(j, f"{type(e).__name__}: {e}")
+        return waiting
+
+    def _drain(self, waiting: list[Job]) -> None:
+        """Every row queued by now, to waiting (without blocking)."""
+        while True:
             try:
                 waiting.append(self.queue.get_nowait())
             except queue.Empty:
-                break
-        waiting[:] = [j for j in waiting if not j.cancelled]
-        batch: list[Job] = []
-        for j in waiting:  # in arrival order, while the rows fit one cache
-            if len(batch) < self.max_batch and self._fits(batch + [j]):
-                batch.append(j)
-        self._run(batch)
-        return [j for j in waiting if j not in batch]
+                return
 
-    def _fits(self, jobs: list[Job]) -> bool:
-        """generate decodes every row up to the batch's largest max_tokens: each prompt must leave room for it."""
-        rows = [j for j in jobs if j.max_tokens]
-        return not rows or fits(self.model, [j.ids for j in rows], max(j.max_tokens for j in rows))
+    @staticmethod
+    def _admit(waiting: list[Job], room: int, fits: Callable[[Job], bool]) -> list[Job]:
+        """Up to room rows of waiting that fit, in arrival order, taken out of it (a cancelled row is dropped)."""
+        waiting[:] = [j for j in waiting if not j.cancelled]
+        taken: list[Job] = []
+        for j in waiting:
+            if len(taken) < room and fits(j):
+                taken.append(j)
+        waiting[:] = [j for j in waiting if j not in taken]
+        return taken
 
     @staticmethod
     def _fail(job: Job, message: str) -> None:
         job.finish = job.finish or "error"
         job.post((job.index, "error", message))
 
-    def _run(self, batch: list[Job]) -> None:
-        try:
-            for j in batch:
-                if j.echo and j.logprobs is not None:
-                    j.entries = self._prompt_entries(j)
-                if not j.max_tokens:
-                    self._done(j, [])
-            if rows := [j for j in batch if j.max_tokens]:
-                # each row's own EOS rule ends it (_ends), through stop: generate is told of no EOS
-                generate(self.model, [j.ids for j in rows], max(j.max_tokens for j in rows), None,
-                         stop=lambda r, toks: self._emitted(rows[r], toks),
-                         observe=lambda idx, logits: self._observe([rows[r] for r in idx], logits))
-        except Exception as e:  # noqa: BLE001 - reported to every request of the batch still waiting
-            for j in batch:
-                if j.finish is None:
-                    self._fail(j, f"{type(e).__name__}: {e}")
+    def _start(self, rows: Rows, jobs: list[Job], live: dict[int, Job]) -> None:
+        """Prefill jobs into free slots of rows, together: an echo's prompt log-probs from the prefill's logits
+        (position p - 1 predicts token p; the first token has none), then each row's first token."""
+        slots, logits = rows.join([j.ids for j in jobs])
+        first = []
+        for s, j, lg in zip(slots, jobs, logits):
+            if j.echo and j.logprobs is not None:
+                lp = torch.log_softmax(lg.float(), -1)
+                j.entries = [(j.ids[0], None, None)] + [_entry(lp[p - 1], j.ids[p], j.logprobs)
+                                                        for p in range(1, len(j.ids))]
+            if j.max_tokens:
+                live[s] = j
+                first.append((s, lg[-1]))
+            else:
+                rows.leave(s)
+                self._done(j, [])
+        if first:
+            self._emit(rows, live, [s for s, _ in first], torch.stack([lg for _, lg in first]))
+
+    def _emit(self, rows: Rows, live: dict[int, Job], slots: list[int], logits: torch.Tensor) -> None:
+        """Each slot's next token, picked from its logits [len(slots), vocab]; a row that ends leaves."""
+        jobs = [live[s] for s in slots]
+        if any(j.logprobs is not None for j in jobs):
+            for j, row in zip(jobs, torch.log_softmax(logits.float(), -1)):
+                j.last = row
+        for s, j, t in zip(slots, jobs, rows.pick(slots, logits)[0]):
+            j.tokens.append(t)
+            if self._emitted(j, j.tokens):
+                rows.leave(s)
+                del live[s]
 
     def _ends(self, job: Job, toks: list[int]) -> bool:
         """The row's last token is an EOS that ends it (not with ignore_eos)."""
@@ -281,20 +323,6 @@ class Engine:
         if not job.stopped:  # the whole text, with any incomplete character the stream still holds
             job.text = self.tok.decode([t for t in toks if t not in self.eos], skip_special_tokens=True)
         job.post((job.index, "done", job.text[job.sent:] if job.stream else None))
-
-    def _prompt_entries(self, job: Job) -> list:
-        """The prompt's teacher-forced log-probs: position p - 1 predicts token p; the first token has none."""
-        seen = []
-        forced(self.model, [job.ids], [[]], lambda logits: seen.append(torch.log_softmax(logits[0].float(), -1)))
-        return [(job.ids[0], None, None)] + [_entry(seen[0][p - 1], job.ids[p], job.logprobs)
-                                             for p in range(1, len(job.ids))]
-
-    @staticmethod
-    def _observe(jobs: list[Job], logits: torch.Tensor) -> None:
-        if any(j.logprobs is not None for j in jobs):
-            lp = torch.log_softmax(logits.float(), -1)
-            for j, row in zip(jobs, lp):
-                j.last = row
 
     def _emitted(self, job: Job, toks: list[int]) -> bool:
         """After each token of a row: log-prob recorded, text extended (one token's worth: no re-decode of the row)
@@ -475,7 +503,7 @@ KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNEL
 
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
-                kernels: str = "torch") -> Engine:
+                kernels: str = "torch", join: str = JOINS[0]) -> Engine:
     from .checkpoint import enable_decode_path, eos_ids, load_model
 
     if backend != "single":
@@ -486,7 +514,7 @@ def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", back
     model = enable_decode_path(load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype)), kernels)
     tok = Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
     return Engine(model, tok, eos_ids(ckpt_dir), model_id or os.path.basename(os.path.normpath(ckpt_dir)),
-                  max_batch, window_s)
+                  max_batch, window_s, join)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -505,10 +533,13 @@ def main(argv: list[str] | None = None) -> None:
                     metavar=f"1..{MAX_BATCH}", help="rows decoded together (1: one at a time)")
     ap.add_argument("--batch-window-ms", type=float, default=WINDOW_S * 1e3,
                     help="how long an idle worker waits for more rows after the first")
+    ap.add_argument("--join", default=JOINS[0], choices=JOINS,
+                    help="a row arriving while a batch decodes joins it at its next step, or waits for the next batch")
     a = ap.parse_args(argv)
     engine = load_engine(a.checkpoint, a.device, a.dtype, a.backend, a.model_id, a.max_batch, a.batch_window_ms / 1e3,
-                         a.kernels)
-    print(f"[serve] engine loaded ({a.device}, {a.dtype}, {a.kernels} decode path, batches of up to {a.max_batch}); "
+                         a.kernels, a.join)
+    print(f"[serve] engine loaded ({a.device}, {a.dtype}, {a.kernels} decode path, batches of up to {a.max_batch}, "
+          f"late rows join at the next {a.join}); "
           f"listening on http://{a.host}:{a.port}/v1", flush=True)
     uvicorn.run(create_app(engine), host=a.host, port=a.port, log_level="warning", access_log=False)
 

@@ -112,8 +112,8 @@ class V4GraphDecode(CapturedStep):
         """The C4 auxiliary projections fused on the auxiliary stream (on) or apart on the main stream (off)."""
         for r in self.routes:
             r.fused = on
-        for _, state in self.caches.values():  # a captured graph holds the other route
-            state.pop("graph", None)
+        for _, widths in self.caches.values():  # a captured graph holds the other route
+            widths.clear()
 
     def _step(self, cache: V4Cache, tokens: torch.Tensor) -> torch.Tensor:
         # the warm-up step and the replay write the same ring slots and entries with the same values: only the

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from engine import graph_decode  # noqa: E402
-from engine.generate import generate  # noqa: E402
+from engine.generate import Rows, generate  # noqa: E402
 from test_engine_kernels import MICRO, N_NEW, PROMPT, micro_models  # noqa: E402
 from test_engine_parity import hf_generate  # noqa: E402
 
@@ -53,10 +53,44 @@ def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(model
     # rows of different prompts (and lengths) decode together: each as the torch path decodes it alone
     mixed = generate(fast, [PROMPT, LONGER], N_NEW)
     assert mixed.tokens == [generate(plain, [p], N_NEW).tokens[0] for p in (PROMPT, LONGER)]
-    # a row that stops early (EOS) is still stepped; the other row's tokens do not change
+    # a row that stops early (EOS) is still stepped (at position 0); the other row's tokens do not change
     eos, other = mixed.tokens[0][0], mixed.tokens[1]
     cut = other.index(eos) + 1 if eos in other else len(other)
     assert generate(fast, [PROMPT, LONGER], N_NEW, eos_token_id=eos).tokens == [[eos], other[:cut]]
+
+
+def slot_reused(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Through generate.Rows, two slots: prompts 0 and 1 join together, row 0 leaves after its second token and its
+    slot is stepped idle (the graph step advances every slot up to the last live one) for three steps, then prompt 2
+    joins into it. -> each row's tokens (row 0's two, the others' n)."""
+    rows, tokens, row_of = Rows(model, 2, max(len(p) for p in prompts) + n), [[] for _ in prompts], {}
+
+    def take(slots, logits):
+        for s, t in zip(slots, rows.pick(slots, logits)[0]):
+            tokens[row_of[s]].append(t)
+            if len(tokens[row_of[s]]) == (2 if row_of[s] == 0 else n):
+                rows.leave(s)
+
+    def add(ks):
+        slots, logits = rows.join([prompts[k] for k in ks])
+        row_of.update(zip(slots, ks))
+        take(slots, torch.stack([lg[-1] for lg in logits]))
+
+    with torch.inference_mode():
+        add([0, 1])
+        while rows.free() < 2:
+            if len(tokens[1]) == 5 and not tokens[2]:
+                assert rows.cache.lengths[0].item() == (1 if model.graph_decode is not None else len(prompts[0]) + 1)
+                add([2])
+            take(*rows.step())
+    return tokens
+
+
+def test_a_slot_left_idle_and_reused_leaves_every_row_as_alone(models):
+    _, plain, fast = models
+    prompts, n = [PROMPT, LONGER, LONGER[:5]], 9
+    alone = [generate(plain, [p], n).tokens[0] for p in prompts]
+    assert slot_reused(fast, prompts, n) == [alone[0][:2], *alone[1:]]
 
 
 def test_experts_become_views_of_the_stacks(models):
@@ -120,9 +154,12 @@ def test_graph_is_captured_once_per_shape_and_replayed(models):
     _, _, fast = models
     dec = fast.graph_decode
     generate(fast, [PROMPT] * 2, N_NEW)
-    graphs = [s["graph"] for _, s in dec.caches.values() if "graph" in s]
+    def graphs():
+        return [s["graph"] for _, widths in dec.caches.values() for s in widths.values()]
+
+    before = graphs()
     again = generate(fast, [PROMPT] * 2, N_NEW)
-    assert [s["graph"] for _, s in dec.caches.values() if "graph" in s] == graphs and graphs
+    assert graphs() == before and before
     assert again.tokens == generate(fast, [PROMPT] * 2, N_NEW).tokens
 
 

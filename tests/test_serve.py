@@ -22,7 +22,7 @@ import yaml
 import tinyev
 from engine import serve
 from engine.checkpoint import load_model
-from engine.generate import forced, generate
+from engine.generate import Rows, generate
 from engine.serve import held_back, stop_index
 from tokenizers import Tokenizer
 from workflow import checkpoints
@@ -219,20 +219,15 @@ def test_concurrent_requests_are_token_identical_to_each_alone(client, alone):
 
 def test_the_worker_decodes_concurrent_rows_in_one_batch(engine, alone, monkeypatch):
     model, tok = engine
-    calls = []
-
-    def recorded(model, prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return generate(model, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(serve, "generate", recorded)
+    batches = recording(monkeypatch)
     eng = serve.Engine(model, tok, [1], "tiny", window_s=600)  # the batch closes when its 8 rows have arrived
     out = queue.Queue()
     jobs = [serve.Job(i, tok.encode(p).ids, n, [], 2, False, False, out.put)
             for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
     eng.submit(jobs)
     events = [out.get(timeout=120) for _ in jobs]
-    assert calls == [len(jobs)] and {kind for _, kind, _ in events} == {"done"}
+    assert [[len(p) for p in b.joins] for b in batches] == [[len(jobs)]]  # one prefill of every row
+    assert {kind for _, kind, _ in events} == {"done"}
     assert [j.tokens for j in jobs] == alone
     for j in jobs:  # each row's log-probs are its own
         want = completion_logprobs(model, j.ids, j.tokens)
@@ -356,25 +351,55 @@ def post(base: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
 
 
 def recording(monkeypatch, before=None) -> list:
-    """serve.generate, recorded: each call's Generation, in order; ``before()`` runs first in each call."""
-    gens = []
+    """serve.Rows, recorded: a batch each, in order, with its joins (the prompts of each), the live slots of each step,
+    the tokens of each row in the order they joined (``tokens``) and ``ended`` (set when its last row leaves);
+    ``before()`` runs first as each batch starts."""
+    batches = []
 
-    def recorded(*args, **kwargs):
-        if before is not None:
-            before()
-        gens.append(generate(*args, **kwargs))
-        return gens[-1]
+    class Recorded(Rows):
+        def __init__(self, *args, **kwargs):
+            if before is not None:
+                before()
+            super().__init__(*args, **kwargs)
+            self.joins, self.steps, self.tokens, self.ended, self.row = [], [], [], threading.Event(), {}
+            batches.append(self)
 
-    monkeypatch.setattr(serve, "generate", recorded)
-    return gens
+        def join(self, prompts):
+            slots, logits = super().join(prompts)
+            self.joins.append([list(p) for p in prompts])
+            for s in slots:
+                self.row[s] = len(self.tokens)
+                self.tokens.append([])
+            return slots, logits
+
+        def step(self):
+            live, logits = super().step()
+            self.steps.append(live)
+            return live, logits
+
+        def pick(self, slots, logits):
+            ids, margins = super().pick(slots, logits)
+            for s, t in zip(slots, ids):
+                self.tokens[self.row[s]].append(t)
+            return ids, margins
+
+        def leave(self, slot):
+            super().leave(slot)
+            if not any(self.live):
+                self.ended.set()
+
+    monkeypatch.setattr(serve, "Rows", Recorded)
+    return batches
 
 
-def settled(gens: list, n: int) -> list:
-    """gens once n calls have returned (a row is answered before its batch's generate call returns)."""
+def settled(batches: list, n: int) -> list:
+    """batches once n have started and ended (a row is answered before its batch ends)."""
     deadline = time.monotonic() + 120
-    while len(gens) < n and time.monotonic() < deadline:
+    while len(batches) < n and time.monotonic() < deadline:
         time.sleep(0.05)
-    return gens
+    for b in batches:
+        b.ended.wait(max(0.0, deadline - time.monotonic()))
+    return batches
 
 
 def test_pending_requests_hold_no_thread_and_models_still_answers(engine, monkeypatch):
@@ -405,19 +430,18 @@ def test_a_failed_batch_answers_each_row_500_and_the_next_batch_runs(engine, mon
     model, tok = engine
     calls = []
 
-    def flaky(*args, **kwargs):
-        calls.append(len(args[1]))
+    def flaky():
+        calls.append(len(calls))
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return generate(*args, **kwargs)
 
-    monkeypatch.setattr(serve, "generate", flaky)
+    batches = recording(monkeypatch, before=flaky)
     eng = serve.Engine(model, tok, [1], "tiny", max_batch=3, window_s=600)  # a batch closes at 3 rows
     with live(eng) as base:
         with ThreadPoolExecutor(3) as pool:
             failed = list(pool.map(lambda p: post(base, {"prompt": p, "max_tokens": 3}), PROMPTS[:3]))
         ok = post(base, {"prompt": PROMPTS[:3], "max_tokens": 3})
-    assert calls == [3, 3]
+    assert len(calls) == 2 and [[len(p) for p in b.joins] for b in batches] == [[3]]  # the first failed at its start
     assert [status for status, _ in failed] == [500] * 3
     assert all(doc["error"]["type"] == "server_error" and "boom" in doc["error"]["message"] for _, doc in failed)
     assert ok[0] == 200 and len(ok[1]["choices"]) == 3
@@ -430,7 +454,7 @@ def test_a_dead_worker_answers_what_waits_and_then_503(engine, monkeypatch):
     def broken(jobs):
         raise AssertionError("a bug in the batcher")
 
-    monkeypatch.setattr(eng, "_fits", broken)  # outside _run's guard: it used to kill the thread silently
+    monkeypatch.setattr(eng, "_drain", broken)  # outside the batch's guard: it used to kill the thread silently
     with live(eng) as base:
         pending = post(base, {"prompt": PROMPT, "max_tokens": 2}, timeout=60)
         after = post(base, {"prompt": PROMPT, "max_tokens": 2}, timeout=60)
@@ -442,7 +466,7 @@ def test_a_dead_worker_answers_what_waits_and_then_503(engine, monkeypatch):
 
 def test_a_cancelled_row_stops_while_its_batchmate_finishes(engine, monkeypatch):
     model, tok = engine
-    gens = recording(monkeypatch)
+    batches = recording(monkeypatch)
     eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)
     out = queue.Queue()
     jobs = [serve.Job(i, tok.encode(p).ids, 24, [], None, False, False, out.put) for i, p in enumerate(PROMPTS[3:5])]
@@ -456,13 +480,15 @@ def test_a_cancelled_row_stops_while_its_batchmate_finishes(engine, monkeypatch)
     monkeypatch.setattr(eng, "_emitted", client_leaves)
     eng.submit(jobs)
     assert out.get(timeout=120)[:2] == (1, "done")
-    assert len(settled(gens, 1)[0].tokens[0]) == 3 and out.empty()  # stopped at once, unanswered
-    assert gens[0].tokens[1] == jobs[1].tokens == generate(model, [jobs[1].ids], 24, []).tokens[0]
+    batch, = settled(batches, 1)
+    assert len(batch.tokens[0]) == 3 and out.empty()  # stopped at once, unanswered
+    assert sum(0 in live for live in batch.steps) == 2  # its slot stepped for tokens 2 and 3 only
+    assert batch.tokens[1] == jobs[1].tokens == generate(model, [jobs[1].ids], 24, []).tokens[0]
 
 
 def test_a_stop_string_ends_only_its_own_row(engine, monkeypatch):
     model, tok = engine
-    gens = recording(monkeypatch)
+    batches = recording(monkeypatch)
     ids = [tok.encode(p).ids for p in PROMPTS[2:4]]
     alone = [generate(model, [i], 12, []).tokens[0] for i in ids]
     text = tok.decode(alone[0], skip_special_tokens=True)
@@ -474,7 +500,7 @@ def test_a_stop_string_ends_only_its_own_row(engine, monkeypatch):
             serve.Job(1, ids[1], 12, [], None, False, False, out.put)]
     eng.submit(jobs)
     assert [out.get(timeout=120)[:2] for _ in jobs] == [(0, "done"), (1, "done")]
-    assert len(settled(gens, 1)) == 1
+    assert len(settled(batches, 1)) == 1
     assert jobs[0].finish == "stop" and jobs[0].text == text[:stop_index(text, [stop])]
     assert jobs[0].tokens == alone[0][:len(jobs[0].tokens)] and len(jobs[0].tokens) < 12
     assert jobs[1].finish == "length" and jobs[1].tokens == alone[1]
@@ -515,7 +541,7 @@ def test_the_decode_path_is_the_servers_choice(server, monkeypatch):
 
 def test_an_echo_row_of_no_tokens_rides_along_a_decoding_batch(engine, monkeypatch):
     model, tok = engine
-    gens = recording(monkeypatch)
+    batches = recording(monkeypatch)
     ids = [tok.encode(p).ids for p in PROMPTS[:3]]
     eng = serve.Engine(model, tok, [1], "tiny", max_batch=3, window_s=600)
     out = queue.Queue()
@@ -524,7 +550,8 @@ def test_an_echo_row_of_no_tokens_rides_along_a_decoding_batch(engine, monkeypat
     eng.submit(jobs)
     assert out.get(timeout=120)[:2] == (0, "done")  # answered before the others decode
     assert sorted(out.get(timeout=120)[:2] for _ in (1, 2)) == [(1, "done"), (2, "done")]
-    assert [len(g.tokens) for g in settled(gens, 1)] == [2]  # the decoding rows, as one call
+    batch, = settled(batches, 1)
+    assert batch.joins == [ids] and batch.steps and all(0 not in live for live in batch.steps)  # prefilled, gone
     assert [j.tokens for j in jobs[1:]] == [generate(model, [i], 6, [1]).tokens[0] for i in ids[1:]]
     want = completion_logprobs(model, ids[0][:1], ids[0][1:])
     assert jobs[0].tokens == [] and jobs[0].entries[0] == (ids[0][0], None, None)
@@ -532,26 +559,96 @@ def test_an_echo_row_of_no_tokens_rides_along_a_decoding_batch(engine, monkeypat
         pytest.approx([want[p - 1, t].item() for p, t in enumerate(ids[0]) if p], abs=1e-5)
 
 
-def test_rows_that_do_not_fit_one_cache_run_as_two_batches(engine, monkeypatch):
+def test_rows_of_any_lengths_share_one_cache(engine, monkeypatch):
+    """Each row's own prompt and max_tokens bound the cache, not the longest prompt plus the largest max_tokens."""
     model, tok = engine
-    gens = recording(monkeypatch)
+    batches = recording(monkeypatch)
     limit = model.args.max_position_embeddings
     long, short = (tok.encode(PROMPTS[7]).ids * limit)[:limit - 40], tok.encode(PROMPT).ids
-    assert len(long) + 60 > limit >= len(short) + 60  # together they would overflow the cache
+    assert len(long) + 60 > limit >= len(short) + 60  # the longest prompt and the largest max_tokens overflow it
     eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)
     out = queue.Queue()
     jobs = [serve.Job(0, long, 4, [], None, False, False, out.put),
             serve.Job(1, short, 60, [], None, False, False, out.put)]
     eng.submit(jobs)
     assert [out.get(timeout=120)[:2] for _ in jobs] == [(0, "done"), (1, "done")]
-    assert [g.tokens for g in settled(gens, 2)] == [[jobs[0].tokens], [jobs[1].tokens]]
+    assert [b.tokens for b in settled(batches, 1)] == [[jobs[0].tokens, jobs[1].tokens]]
+    assert [j.tokens for j in jobs] == [generate(model, [j.ids], j.max_tokens, []).tokens[0] for j in jobs]
+
+
+def arriving(eng, monkeypatch, when, jobs: list) -> None:
+    """jobs submitted from within the worker as soon as ``when(job, tokens)`` holds after a row's token: a row
+    arriving while the batch decodes, at a known step."""
+    emitted = eng._emitted
+
+    def hook(job, toks):
+        done = emitted(job, toks)
+        if jobs and when(job, toks):
+            eng.submit([jobs.pop(0)])
+        return done
+
+    monkeypatch.setattr(eng, "_emitted", hook)
+
+
+@pytest.mark.parametrize("join", serve.JOINS)
+def test_a_row_arriving_mid_batch_joins_at_the_next_step_or_waits_for_the_next_batch(engine, monkeypatch, join):
+    model, tok = engine
+    batches = recording(monkeypatch)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0, join=join)
+    out = queue.Queue()
+    first, late = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
+                   for i, (k, n) in enumerate([(3, 24), (5, 8)]))
+    arriving(eng, monkeypatch, lambda job, toks: job is first and len(toks) == 3, [late])
+    eng.submit([first])
+    assert sorted(out.get(timeout=120)[:2] for _ in range(2)) == [(0, "done"), (1, "done")]
+    assert [j.tokens for j in (first, late)] == [generate(model, [j.ids], j.max_tokens, []).tokens[0]
+                                                 for j in (first, late)]
+    if join == "step":  # prefilled after the step of the first row's third token, then stepped beside it
+        batch, = settled(batches, 1)
+        assert batch.joins == [[first.ids], [late.ids]]
+        assert batch.steps == [[0]] * 2 + [[0, 1]] * 7 + [[0]] * 14
+    else:
+        assert [b.joins for b in settled(batches, 2)] == [[[first.ids]], [[late.ids]]]
+        assert batches[0].steps == [[0]] * 23 and batches[1].steps == [[0]] * 7
+
+
+def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch(engine, monkeypatch):
+    model, tok = engine
+    batches = recording(monkeypatch)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0)
+    out = queue.Queue()
+    first, late = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
+                   for i, (k, n) in enumerate([(0, 6), (7, 30)]))
+    assert len(late.ids) + 30 > len(first.ids) + 6  # the running cache is as long as the first row needs
+    arriving(eng, monkeypatch, lambda job, toks: job is first and len(toks) == 2, [late])
+    eng.submit([first])
+    assert sorted(out.get(timeout=120)[:2] for _ in range(2)) == [(0, "done"), (1, "done")]
+    assert [b.joins for b in settled(batches, 2)] == [[[first.ids]], [[late.ids]]]
+    assert late.tokens == generate(model, [late.ids], 30, []).tokens[0]
+
+
+def test_a_row_joins_the_slot_an_ended_row_left(engine, monkeypatch):
+    """Rows 0 and 1 start together; row 0 ends at its third token, and its slot stays idle among the stepped ones
+    until row 2 arrives (at row 1's eighth token) and takes it: every row gets the tokens it gets alone."""
+    model, tok = engine
+    batches = recording(monkeypatch)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)
+    out = queue.Queue()
+    jobs = [serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
+            for i, (k, n) in enumerate([(2, 3), (4, 20), (6, 6)])]
+    arriving(eng, monkeypatch, lambda job, toks: job is jobs[1] and len(toks) == 8, [jobs[2]])
+    eng.submit(jobs[:2])
+    assert sorted(out.get(timeout=120)[:2] for _ in jobs) == [(0, "done"), (1, "done"), (2, "done")]
+    batch, = settled(batches, 1)
+    assert batch.joins == [[jobs[0].ids, jobs[1].ids], [jobs[2].ids]] and batch.row == {0: 2, 1: 1}
+    assert [1] in batch.steps and batch.tokens == [j.tokens for j in jobs]
     assert [j.tokens for j in jobs] == [generate(model, [j.ids], j.max_tokens, []).tokens[0] for j in jobs]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_leaves_cancels_its_row(engine, monkeypatch, stream):
     model, tok = engine
-    gens = recording(monkeypatch)
+    batches = recording(monkeypatch)
     eng = serve.Engine(model, tok, [], "tiny")
     emitted = eng._emitted
 
@@ -574,7 +671,7 @@ def test_a_client_that_leaves_cancels_its_row(engine, monkeypatch, stream):
         # the one worker answers a later request after the left row's batch (if it ran: it may end before its start)
         assert post(base, {"prompt": PROMPT, "max_tokens": 5})[0] == 200
         deadline = time.monotonic() + 60
-        while not (gens and len(gens[-1].tokens[0]) == 5) and time.monotonic() < deadline:
+        while not any(len(t) == 5 for b in batches for t in b.tokens) and time.monotonic() < deadline:
             time.sleep(0.05)
-    *left, probe = [len(g.tokens[0]) for g in gens]
+    *left, probe = [len(t) for b in batches for t in b.tokens]  # in the order the rows joined
     assert probe == 5 and left in ([], [1], [2], [3])  # ended as soon as the server saw it go, not at 50

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -265,6 +266,7 @@ WORDS = [" a", " b", " c", " d"]  # 4 tokens of the tiny tokenizer, as they stre
 
 class Fake(BaseHTTPRequestHandler):
     mode = "ok"
+    arrivals: list[float] = []  # when each completion request arrived (perf_counter)
 
     def log_message(self, *_):
         pass
@@ -281,6 +283,7 @@ class Fake(BaseHTTPRequestHandler):
         self.reply(200, {"data": [{"id": "fake"}]})
 
     def do_POST(self):
+        self.arrivals.append(time.perf_counter())
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.mode == "plain" and {"ignore_eos", "stream_options"} & body.keys():
             return self.reply(400, {"error": {"message": "unknown field"}})
@@ -318,6 +321,22 @@ def test_the_fake_streams_what_the_tokenizer_counts(shared):
 
     tok = Tokenizer.from_file(str(shared[0] / "tokenizer.json"))
     assert len(tok.encode("".join(WORDS), add_special_tokens=False).ids) == len(WORDS)  # as the stage counts
+
+
+def test_a_round_with_a_gap_sends_each_request_that_much_after_the_one_before(shared):
+    """tools/serve_join.py's arrivals: request r of a round gap * r after the first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer
+
+    tok, gap = Tokenizer.from_file(str(shared[0] / "tokenizer.json")), 0.25
+    Fake.arrivals.clear()
+    with fake("ok") as url, ThreadPoolExecutor(3) as pool:
+        rnd = serve_bench.round_of(pool, targets.Client(url), [{"prompt": "x", "max_tokens": 4, "stream": True}] * 3,
+                                   tok, gap)
+    steps = np.diff(Fake.arrivals)
+    assert len(rnd["requests"]) == 3 and all(gap * 0.9 < d < gap * 1.9 for d in steps), steps
+    assert rnd["duration_ms"] >= 2 * gap * 1e3
 
 
 @pytest.mark.parametrize("mode, refused", [

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from test_engine_v4 import engine_of, hf_model
+from test_graph_decode import slot_reused
 
 from engine import v4_graph
 from engine.generate import forced, generate
@@ -36,6 +37,26 @@ def test_graph_path_decodes_as_the_torch_path(models):
     # one-row kernels
     assert generate(eng, [PROMPT, PROMPT[:3]], 10).tokens == generate(ref, [PROMPT, PROMPT[:3]], 10).tokens
     assert (teacher_forced(eng) - teacher_forced(ref)).abs().max() < 1e-4
+
+
+def test_a_slot_left_idle_and_reused_leaves_every_row_as_alone(models):
+    """The slot's state (window, compressor and indexer rings) emptied for the row that takes it."""
+    ref, eng = models
+    prompts, n = [PROMPT, PROMPT[::-1] * 2, PROMPT[:4]], 9
+    alone = [generate(ref, [p], n).tokens[0] for p in prompts]
+    assert slot_reused(eng, prompts, n) == [alone[0][:2], *alone[1:]]
+
+
+def test_a_rows_reset_empties_its_state_and_only_its_own(models):
+    """What an earlier sequence left in a slot (an inf would make a NaN of a masked weight 0) is gone for the next."""
+    cache = models[1].new_cache(3, 16)
+    state = [*cache.window, *(x for s in cache.series.values() for x in (s.kv, s.gate, s.entries))]
+    for t in state:
+        t.fill_(float("inf"))
+    cache.lengths.fill_(5)
+    cache.reset_rows([1])
+    assert cache.lengths.tolist() == [5, 0, 5]
+    assert all(t[1].eq(0).all() and t[[0, 2]].isinf().all() for t in state)
 
 
 def test_fused_aux_route_is_bitwise_equal_to_apart_and_runs(models, monkeypatch):

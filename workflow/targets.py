@@ -263,14 +263,14 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
 
 @contextlib.contextmanager
 def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = REPO, env: dict | None = None,
-                  kernels: str = "torch"):
+                  kernels: str = "torch", args: tuple[str, ...] = ()):
     """`python -m engine.serve` of the engine package under `code` (run from there, so that it is the one imported)
-    on a free port of 127.0.0.1, with the decode path `kernels`: yields (base URL, seconds to ready); always
-    stopped."""
+    on a free port of 127.0.0.1, with the decode path `kernels` and any further `args` of its own: yields (base URL,
+    seconds to ready); always stopped."""
     port = free_port()
     argv = [sys.executable, "-m", "engine.serve", "--checkpoint", str(Path(ckpt).resolve()), "--device", device,
             "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine",
-            "--kernels", kernels]
+            "--kernels", kernels, *args]
     with served(argv, port, log, "the engine server", cwd=code, env=env) as out:
         yield out
 

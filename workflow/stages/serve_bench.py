@@ -67,10 +67,12 @@ def probe(client: targets.Client, prompt: str) -> dict:
     return probe(EXTRAS[-1])  # none: an error now is the server's
 
 
-def one_request(client: targets.Client, body: dict, start: threading.Barrier, tok: Tokenizer) -> dict:
-    """One streamed request, sent when every thread of its round is ready: each event that carries a choice, in ms
-    after sending (`chunk_ms`), and its output tokens (`counted_by`: the server's usage, else the tokenizer)."""
+def one_request(client: targets.Client, body: dict, start: threading.Barrier, tok: Tokenizer,
+                delay_s: float = 0.0) -> dict:
+    """One streamed request, sent delay_s after every thread of its round is ready: each event that carries a choice,
+    in ms after sending (`chunk_ms`), and its output tokens (`counted_by`: the server's usage, else the tokenizer)."""
     start.wait(BARRIER_S)
+    time.sleep(delay_s)
     sent = time.perf_counter()
     chunks, texts, usage = [], [], None
     for at, event in client.stream(body):
@@ -87,11 +89,12 @@ def one_request(client: targets.Client, body: dict, start: threading.Barrier, to
     return {"chunk_ms": chunks, **counted, "sent": sent, "end": end}
 
 
-def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict], tok: Tokenizer) -> dict:
-    """len(bodies) requests at once: each as one_request records it, and the round's duration (first sent to last
-    stream's end)."""
+def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict], tok: Tokenizer,
+             gap_s: float = 0.0) -> dict:
+    """len(bodies) requests at once (or request r gap_s * r after the first): each as one_request records it, and the
+    round's duration (first sent to last stream's end)."""
     start = threading.Barrier(len(bodies))
-    reqs = list(pool.map(lambda b: one_request(client, b, start, tok), bodies))
+    reqs = list(pool.map(lambda rb: one_request(client, rb[1], start, tok, gap_s * rb[0]), enumerate(bodies)))
     duration = (max(r.pop("end") for r in reqs) - min(r["sent"] for r in reqs)) * 1e3
     for r in reqs:
         r.pop("sent")
