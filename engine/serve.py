@@ -24,8 +24,9 @@ measures). Every unfinished row advances in one batched step; each stops at its 
 and is answered then; a row whose client has gone ends at its next token. A row arriving while a batch decodes
 (``--join``):
 - ``step`` (the default): joins it at its next step, prefilled into a free slot between two steps, while the batch has
-  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (the cache is as long as
-  the batch's first rows need); else it waits for the next batch. The rows decoding meanwhile wait for its prefill.
+  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache holds
+  ``--cache-len`` positions a row, or what its first rows need if more); else it waits for the next batch. The rows
+  decoding meanwhile wait for its prefill; rows waiting together are prefilled together.
 - ``batch``: waits for the next batch, which starts when the batch's last row ends.
 engine/DECODE.md measures the two ("Joining at the next step").
 
@@ -64,6 +65,7 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
 WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
 JOINS = ("step", "batch")  # a row arriving while a batch decodes joins it at its next step, or waits for the next batch
+CACHE_LEN = 2048  # positions a row of a batch's cache holds at least: room for rows that join, one shape to capture
 
 
 class BadRequest(Exception):
@@ -174,11 +176,12 @@ class Engine:
     """The loaded engine and its batching worker, the one thread that runs the model."""
 
     def __init__(self, model, tokenizer: Tokenizer, eos: list[int], model_id: str, max_batch: int = MAX_BATCH,
-                 window_s: float = WINDOW_S, join: str = JOINS[0]):
+                 window_s: float = WINDOW_S, join: str = JOINS[0], cache_len: int = CACHE_LEN):
         if join not in JOINS:
             raise ValueError(f"join must be one of {JOINS}, got {join!r}")
         self.model, self.tok, self.eos, self.model_id = model, tokenizer, eos, model_id
         self.max_batch, self.window_s, self.join = max_batch, window_s, join
+        self.cache_len = min(cache_len, model.args.max_position_embeddings)
         self.queue: queue.Queue = queue.Queue()
         self.dead: str | None = None  # why the worker stopped, once it has
         threading.Thread(target=self._work, daemon=True, name="batcher").start()
@@ -239,9 +242,9 @@ class Engine:
         if not batch:
             return waiting
         live: dict[int, Job] = {}  # slot -> its row
-        try:  # join "step": a slot for every row a batch may hold, the cache as long as its first rows need
+        try:  # join "step": a slot for every row a batch may hold
             rows = Rows(self.model, self.max_batch if self.join == "step" else len(batch),
-                        max(len(j.ids) + j.max_tokens for j in batch))
+                        max(self.cache_len, *(len(j.ids) + j.max_tokens for j in batch)))
             self._start(rows, batch, live)
             while live:
                 self._emit(rows, live, *rows.step())
@@ -503,7 +506,7 @@ KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNEL
 
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
-                kernels: str = "torch", join: str = JOINS[0]) -> Engine:
+                kernels: str = "torch", join: str = JOINS[0], cache_len: int = CACHE_LEN) -> Engine:
     from .checkpoint import enable_decode_path, eos_ids, load_model
 
     if backend != "single":
@@ -514,7 +517,7 @@ def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", back
     model = enable_decode_path(load_model(ckpt_dir, device=device, dtype=getattr(torch, dtype)), kernels)
     tok = Tokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
     return Engine(model, tok, eos_ids(ckpt_dir), model_id or os.path.basename(os.path.normpath(ckpt_dir)),
-                  max_batch, window_s, join)
+                  max_batch, window_s, join, cache_len)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -535,9 +538,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="how long an idle worker waits for more rows after the first")
     ap.add_argument("--join", default=JOINS[0], choices=JOINS,
                     help="a row arriving while a batch decodes joins it at its next step, or waits for the next batch")
+    ap.add_argument("--cache-len", type=int, default=CACHE_LEN,
+                    help="positions a row of a batch's cache holds at least (at most the context): a row joins a "
+                         "running batch only where its prompt and max_tokens fit")
     a = ap.parse_args(argv)
     engine = load_engine(a.checkpoint, a.device, a.dtype, a.backend, a.model_id, a.max_batch, a.batch_window_ms / 1e3,
-                         a.kernels, a.join)
+                         a.kernels, a.join, a.cache_len)
     print(f"[serve] engine loaded ({a.device}, {a.dtype}, {a.kernels} decode path, batches of up to {a.max_batch}, "
           f"late rows join at the next {a.join}); "
           f"listening on http://{a.host}:{a.port}/v1", flush=True)

@@ -615,11 +615,11 @@ def test_a_row_arriving_mid_batch_joins_at_the_next_step_or_waits_for_the_next_b
 def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch(engine, monkeypatch):
     model, tok = engine
     batches = recording(monkeypatch)
-    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0, cache_len=0)  # as long as the first row needs
     out = queue.Queue()
     first, late = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
                    for i, (k, n) in enumerate([(0, 6), (7, 30)]))
-    assert len(late.ids) + 30 > len(first.ids) + 6  # the running cache is as long as the first row needs
+    assert len(late.ids) + 30 > len(first.ids) + 6
     arriving(eng, monkeypatch, lambda job, toks: job is first and len(toks) == 2, [late])
     eng.submit([first])
     assert sorted(out.get(timeout=120)[:2] for _ in range(2)) == [(0, "done"), (1, "done")]

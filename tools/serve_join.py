@@ -6,7 +6,7 @@
 Starts the builtin engine's server once per policy (the campaign's device, dtype and decode path, bench.kernels) and
 sends rounds of C streaming requests (the campaign's bench.prompts, one each, else bench.prompt), request r sent
 r * gap ms after the first, so that later ones arrive while the first decode; each asks bench.new_tokens tokens.
-bench.warmup rounds, then bench.repeats measured ones. The gap defaults to one request's time alone over C, measured
+bench.warmup rounds (at least 2), then bench.repeats measured ones. The gap defaults to one request's time alone over C, measured
 on the first server: the arrivals spread over about one batch's decode. Prints, per policy, vLLM's client metrics
 (workflow.benchstats.summarize_http: TTFT, TPOT, ITL, E2E) and each arrival's mean TTFT.
 """
@@ -46,7 +46,7 @@ def policy(join: str, ckpt: Path, cfg: dict, texts: list[str], gap_s: float | No
         if gap_s is None:  # one request alone, warm
             alone = [round_of(pool, client, bodies[:1], tok)["duration_ms"] for _ in range(2)][-1]
             gap_s = alone / 1e3 / len(texts)
-        for _ in range(bench["warmup"]):
+        for _ in range(max(2, bench["warmup"])):  # every width the rounds step captured (the graph path) first
             round_of(pool, client, bodies, tok, gap_s)
         repeats = []
         for r in range(bench["repeats"]):
