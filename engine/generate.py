@@ -112,7 +112,8 @@ class Rows:
     Rows ``join`` between steps, prefilled together into free slots (each at its own length); a ``step`` advances the
     live rows together, one token each; a row ``leave``s when done and its slot is free for the next to join. The
     graph step advances every slot up to the last live one: a free slot among them is stepped at position 0 and its
-    results never read, so it can never run past the cache."""
+    results never read, so it can never run past the cache. Made and used under ``torch.inference_mode`` (a graph
+    path's caches are made in it and reused)."""
 
     def __init__(self, model: Transformer, slots: int, max_len: int):
         self.model = model

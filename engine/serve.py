@@ -23,12 +23,13 @@ position, so a row gets the tokens it gets alone (exactly in float32; in bf16 to
 measures). Every unfinished row advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string
 and is answered then; a row whose client has gone ends at its next token. A row arriving while a batch decodes
 (``--join``):
-- ``step`` (the default): joins it at its next step, prefilled into a free slot between two steps, while the batch has
+- ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
+- ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has
   a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache holds
   ``--cache-len`` positions a row, or what its first rows need if more); else it waits for the next batch. The rows
   decoding meanwhile wait for its prefill; rows waiting together are prefilled together.
-- ``batch``: waits for the next batch, which starts when the batch's last row ends.
-engine/DECODE.md measures the two ("Joining at the next step").
+engine/DECODE.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
+(the CPU's tiny model), not where it costs hundreds (the H200's graph step beside its eager prefill).
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
 stops as soon as one appears (log-probs still cover every generated token, as vLLM's). ``stream: true`` sends
@@ -64,7 +65,8 @@ from .generate import MAX_BATCH, Rows, fits
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
 WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
-JOINS = ("step", "batch")  # a row arriving while a batch decodes joins it at its next step, or waits for the next batch
+JOINS = ("batch", "step")  # a row arriving while a batch decodes waits for the next batch, or joins it at its next step
+JOIN = "batch"  # the default: on the H200 an eager prefill stalls the batch longer than waiting (engine/DECODE.md)
 CACHE_LEN = 2048  # positions a row of a batch's cache holds at least: room for rows that join, one shape to capture
 
 
@@ -176,7 +178,7 @@ class Engine:
     """The loaded engine and its batching worker, the one thread that runs the model."""
 
     def __init__(self, model, tokenizer: Tokenizer, eos: list[int], model_id: str, max_batch: int = MAX_BATCH,
-                 window_s: float = WINDOW_S, join: str = JOINS[0], cache_len: int = CACHE_LEN):
+                 window_s: float = WINDOW_S, join: str = JOIN, cache_len: int = CACHE_LEN):
         if join not in JOINS:
             raise ValueError(f"join must be one of {JOINS}, got {join!r}")
         self.model, self.tok, self.eos, self.model_id = model, tokenizer, eos, model_id
@@ -216,8 +218,9 @@ class Engine:
     def _work(self) -> None:
         waiting: list[Job] = []
         try:
-            while True:
-                waiting = self._batch(waiting)
+            with torch.inference_mode():  # as generate's: a graph path's cache is made and reset in it
+                while True:
+                    waiting = self._batch(waiting)
         except Exception as e:  # noqa: BLE001 - a bug of the worker itself: no batch can run any more; say so, not hang
             self.dead = f"{type(e).__name__}: {e}"
             for j in waiting:
@@ -506,7 +509,7 @@ KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNEL
 
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
-                kernels: str = "torch", join: str = JOINS[0], cache_len: int = CACHE_LEN) -> Engine:
+                kernels: str = "torch", join: str = JOIN, cache_len: int = CACHE_LEN) -> Engine:
     from .checkpoint import enable_decode_path, eos_ids, load_model
 
     if backend != "single":
@@ -536,8 +539,8 @@ def main(argv: list[str] | None = None) -> None:
                     metavar=f"1..{MAX_BATCH}", help="rows decoded together (1: one at a time)")
     ap.add_argument("--batch-window-ms", type=float, default=WINDOW_S * 1e3,
                     help="how long an idle worker waits for more rows after the first")
-    ap.add_argument("--join", default=JOINS[0], choices=JOINS,
-                    help="a row arriving while a batch decodes joins it at its next step, or waits for the next batch")
+    ap.add_argument("--join", default=JOIN, choices=JOINS,
+                    help="a row arriving while a batch decodes waits for the next batch, or joins it at its next step")
     ap.add_argument("--cache-len", type=int, default=CACHE_LEN,
                     help="positions a row of a batch's cache holds at least (at most the context): a row joins a "
                          "running batch only where its prompt and max_tokens fit")

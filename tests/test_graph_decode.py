@@ -63,7 +63,7 @@ def slot_reused(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Through generate.Rows, two slots: prompts 0 and 1 join together, row 0 leaves after its second token and its
     slot is stepped idle (the graph step advances every slot up to the last live one) for three steps, then prompt 2
     joins into it. -> each row's tokens (row 0's two, the others' n)."""
-    rows, tokens, row_of = Rows(model, 2, max(len(p) for p in prompts) + n), [[] for _ in prompts], {}
+    tokens, row_of = [[] for _ in prompts], {}
 
     def take(slots, logits):
         for s, t in zip(slots, rows.pick(slots, logits)[0]):
@@ -76,7 +76,8 @@ def slot_reused(model, prompts: list[list[int]], n: int) -> list[list[int]]:
         row_of.update(zip(slots, ks))
         take(slots, torch.stack([lg[-1] for lg in logits]))
 
-    with torch.inference_mode():
+    with torch.inference_mode():  # as generate's (a graph path's cache, made in an earlier one, is reset in it)
+        rows = Rows(model, 2, max(len(p) for p in prompts) + n)
         add([0, 1])
         while rows.free() < 2:
             if len(tokens[1]) == 5 and not tokens[2]:

@@ -615,7 +615,7 @@ def test_a_row_arriving_mid_batch_joins_at_the_next_step_or_waits_for_the_next_b
 def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch(engine, monkeypatch):
     model, tok = engine
     batches = recording(monkeypatch)
-    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0, cache_len=0)  # as long as the first row needs
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0, join="step", cache_len=0)  # first row's need
     out = queue.Queue()
     first, late = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
                    for i, (k, n) in enumerate([(0, 6), (7, 30)]))
@@ -632,7 +632,7 @@ def test_a_row_joins_the_slot_an_ended_row_left(engine, monkeypatch):
     until row 2 arrives (at row 1's eighth token) and takes it: every row gets the tokens it gets alone."""
     model, tok = engine
     batches = recording(monkeypatch)
-    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600, join="step")
     out = queue.Queue()
     jobs = [serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
             for i, (k, n) in enumerate([(2, 3), (4, 20), (6, 6)])]
