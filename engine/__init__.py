@@ -5,7 +5,7 @@ model.py       Transformer (MLA attention over a compressed latent KV cache, MoE
 deepseek_v4.py V4Transformer (sliding-window, compressed sparse and heavily compressed attention, hash and top-k
                MoE, hyper-connections) and its static V4Cache; v4_checkpoint.py: its checkpoint names
 checkpoint.py  load_model(): HF-format safetensors -> Transformer; CheckpointError
-generate.py    greedy batched generation: generate() -> Generation
+generate.py    greedy batched generation: Rows (the decode loop; rows join between steps), generate() -> Generation
 decode_kernels.py  the `triton` decode path: projections and the greedy pick through kernels/ (Triton)
 graph_decode.py    the `graph` decode path: one CUDA-graph-captured step (MLA, router, experts, norms in kernels/);
                v4_graph.py: DeepSeek-V4's

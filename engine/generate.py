@@ -1,7 +1,8 @@
 """Greedy batched generation over the engine's Transformer.
 
 The prompts are prefilled together (one forward of the batch, ragged prompts padded on the right; each row is a
-row of the cache with its own length), then all unfinished rows decode together, one batched forward per step.
+row of the cache with its own length), then all unfinished rows decode together, one batched forward per step
+(``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``).
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::
 

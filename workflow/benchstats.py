@@ -339,7 +339,8 @@ def _pct(current: float, baseline: float) -> float:
 def directional_claim(current: dict, baseline: dict) -> dict:
     """"faster"/"slower" on steady TPOT p50, or "no directional claim" with every reason.
 
-    A claim needs (1) the same backend, batch, contract, versions and model hashes, (2) neither
+    A claim needs (1) the same backend, batch, contract, versions and model hashes (HTTP cells: the same target
+    and concurrency, and their streams as many tokens an event: side_by_side says why), (2) neither
     cell noisy, and (3) a relative TPOT p50 difference strictly larger than the larger of the two
     cells' spreads. The change percentages are (current - baseline) / baseline; a negative
     tpot_p50_change_pct means current is faster. They are reported whenever the two cells
@@ -366,6 +367,11 @@ def directional_claim(current: dict, baseline: dict) -> dict:
         reasons.append(f"model differs ({', '.join(keys)})")
     comparable = not reasons
 
+    if comparable and "target" in a and (events := {round(tokens_per_event(c), 2) for c in (current, baseline)}) != {1.0} \
+            and len(events) > 1:  # two HTTP cells whose servers streamed tokens in differently many events
+        reasons.append(f"the streams' events carried {tokens_per_event(current):.2f} and "
+                       f"{tokens_per_event(baseline):.2f} tokens each, so vLLM's per-request TPOTs time different "
+                       "intervals")
     cs, bs = current["stats"], baseline["stats"]
     reasons += _noisy(cs, bs)
 
