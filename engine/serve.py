@@ -26,8 +26,9 @@ and is answered then; a row whose client has gone ends at its next token. A row 
 - ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
 - ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has
   a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache holds
-  ``--cache-len`` positions a row, or what its first rows need if more); else it waits for the next batch. The rows
-  decoding meanwhile wait for its prefill; rows waiting together are prefilled together.
+  ``--cache-len`` positions a row, or what its first rows need if more); else it waits for the next batch, and so do
+  the rows that arrived after it (none passes it over). The rows decoding meanwhile wait for its prefill; rows waiting
+  together are prefilled together.
 engine/DECODE.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
 (the CPU's tiny model), not where it costs hundreds (the H200's graph step beside its eager prefill).
 
@@ -272,13 +273,15 @@ class Engine:
 
     @staticmethod
     def _admit(waiting: list[Job], room: int, fits: Callable[[Job], bool]) -> list[Job]:
-        """Up to room rows of waiting that fit, in arrival order, taken out of it (a cancelled row is dropped)."""
+        """Up to room rows of waiting, in arrival order, taken out of it until one does not fit: a row is never passed
+        over, so a long one is not kept waiting for ever by short ones joining (a cancelled row is dropped)."""
         waiting[:] = [j for j in waiting if not j.cancelled]
         taken: list[Job] = []
-        for j in waiting:
-            if len(taken) < room and fits(j):
-                taken.append(j)
-        waiting[:] = [j for j in waiting if j not in taken]
+        for j in waiting[:room]:
+            if not fits(j):
+                break
+            taken.append(j)
+        del waiting[:len(taken)]
         return taken
 
     @staticmethod

@@ -612,19 +612,23 @@ def test_a_row_arriving_mid_batch_joins_at_the_next_step_or_waits_for_the_next_b
         assert batches[0].steps == [[0]] * 23 and batches[1].steps == [[0]] * 7
 
 
-def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch(engine, monkeypatch):
+def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch_and_is_not_passed_over(engine,
+                                                                                                    monkeypatch):
+    """The long row arrives at the first row's second token, a short one that would fit at its third: both wait, and
+    start the next batch together."""
     model, tok = engine
     batches = recording(monkeypatch)
-    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=0, join="step", cache_len=0)  # first row's need
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=3, window_s=0, join="step", cache_len=0)  # first row's need
     out = queue.Queue()
-    first, late = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
-                   for i, (k, n) in enumerate([(0, 6), (7, 30)]))
-    assert len(late.ids) + 30 > len(first.ids) + 6
-    arriving(eng, monkeypatch, lambda job, toks: job is first and len(toks) == 2, [late])
+    first, long, short = (serve.Job(i, tok.encode(PROMPTS[k]).ids, n, [], None, False, False, out.put)
+                          for i, (k, n) in enumerate([(1, 6), (7, 30), (0, 3)]))
+    assert len(long.ids) + 30 > len(first.ids) + 6 >= len(short.ids) + 3
+    arriving(eng, monkeypatch, lambda job, toks: job is first and len(toks) in (2, 3), [long, short])
     eng.submit([first])
-    assert sorted(out.get(timeout=120)[:2] for _ in range(2)) == [(0, "done"), (1, "done")]
-    assert [b.joins for b in settled(batches, 2)] == [[[first.ids]], [[late.ids]]]
-    assert late.tokens == generate(model, [late.ids], 30, []).tokens[0]
+    assert sorted(out.get(timeout=120)[:2] for _ in range(3)) == [(0, "done"), (1, "done"), (2, "done")]
+    assert [b.joins for b in settled(batches, 2)] == [[[first.ids]], [[long.ids, short.ids]]]
+    assert [j.tokens for j in (long, short)] == [generate(model, [j.ids], j.max_tokens, []).tokens[0]
+                                                 for j in (long, short)]
 
 
 def test_a_row_joins_the_slot_an_ended_row_left(engine, monkeypatch):
