@@ -25,8 +25,8 @@ and is answered then; a row whose client has gone ends at its next token. A row 
 (``--join``):
 - ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
 - ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has
-  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache holds
-  ``--cache-len`` positions a row, or what its first rows need if more); else it waits for the next batch, and so do
+  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache then holds
+  ``--cache-len`` positions a row, or what its first rows need if more; under ``batch``, what its rows need); else it waits for the next batch, and so do
   the rows that arrived after it (none passes it over). The rows decoding meanwhile wait for its prefill; rows waiting
   together are prefilled together.
 engine/DECODE.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
@@ -68,7 +68,7 @@ WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
 WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
 JOINS = ("batch", "step")  # a row arriving while a batch decodes waits for the next batch, or joins it at its next step
 JOIN = "batch"  # the default: on the H200 an eager prefill stalls the batch longer than waiting (engine/DECODE.md)
-CACHE_LEN = 2048  # positions a row of a batch's cache holds at least: room for rows that join, one shape to capture
+CACHE_LEN = 2048  # join "step": positions a row of a batch's cache holds at least (room to join; one shape to capture)
 
 
 class BadRequest(Exception):
@@ -246,9 +246,11 @@ class Engine:
         if not batch:
             return waiting
         live: dict[int, Job] = {}  # slot -> its row
-        try:  # join "step": a slot for every row a batch may hold
-            rows = Rows(self.model, self.max_batch if self.join == "step" else len(batch),
-                        max(self.cache_len, *(len(j.ids) + j.max_tokens for j in batch)))
+        need = max(len(j.ids) + j.max_tokens for j in batch)
+        try:  # join "step": a slot for every row a batch may hold, and room for them (DeepSeek-V4 attends over its
+            # whole cache of compressed entries, masked: "batch" keeps the cache the in-process bench times)
+            rows = Rows(self.model, *((self.max_batch, max(self.cache_len, need)) if self.join == "step"
+                                      else (len(batch), need)))
             self._start(rows, batch, live)
             while live:
                 self._emit(rows, live, *rows.step())
@@ -545,8 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--join", default=JOIN, choices=JOINS,
                     help="a row arriving while a batch decodes waits for the next batch, or joins it at its next step")
     ap.add_argument("--cache-len", type=int, default=CACHE_LEN,
-                    help="positions a row of a batch's cache holds at least (at most the context): a row joins a "
-                         "running batch only where its prompt and max_tokens fit")
+                    help="--join step: positions a row of a batch's cache holds at least (at most the context); a row "
+                         "joins a running batch only where its prompt and max_tokens fit")
     a = ap.parse_args(argv)
     engine = load_engine(a.checkpoint, a.device, a.dtype, a.backend, a.model_id, a.max_batch, a.batch_window_ms / 1e3,
                          a.kernels, a.join, a.cache_len)
