@@ -110,30 +110,32 @@ def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[
 class Rows:
     """Rows decoding together in one cache of ``slots`` rows: ``generate``'s loop, and a server's.
 
-    Rows ``join`` between steps, prefilled together into free slots (each at its own length); a ``step`` advances the
-    live rows together, one token each; a row ``leave``s when done and its slot is free for the next to join. The
-    graph step advances every slot up to the last live one: a free slot among them is stepped at position 0 and its
-    results never read, so it can never run past the cache. Made and used under ``torch.inference_mode`` (a graph
-    path's caches are made in it and reused)."""
+    Rows ``join`` between steps, prefilled together into free slots (the lowest first, each row at its own length); a
+    ``step`` advances the live rows together, one token each (``advance`` picks them); a row leaves when done and its
+    slot is free for the next to join. The graph step advances every slot up to the highest ever joined (its width
+    only grows, so a batch captures a graph only where a row joins above it): a free slot among them is stepped at
+    position 0 and its results never read, so it can never run past the cache. Made and used under
+    ``torch.inference_mode`` (a graph path's caches are made in it and reused)."""
 
     def __init__(self, model: Transformer, slots: int, max_len: int):
         self.model = model
         self.cache = _cache(model, slots, max_len)
         self.last = [0] * slots  # each slot's input token for the next step
         self.live = [False] * slots
+        self.width = 0  # the slots a step advances: up to the highest ever joined
 
     def free(self) -> int:
         return self.live.count(False)
 
-    def fits(self, prompt: list[int], new_tokens: int) -> bool:
-        """Whether a row of this prompt and new_tokens fits the cache (its length is fixed at the start)."""
+    def has_room(self, prompt: list[int], new_tokens: int) -> bool:
+        """Whether the cache (its length fixed at the start) has room for a row of this prompt and new_tokens."""
         return len(prompt) + new_tokens <= self.cache.max_len
 
     def join(self, prompts: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
         """Prompts prefilled together into free slots -> (their slots, each one's logits [len(prompt), vocab]: the
         last position's picks its first token)."""
         free = [s for s, on in enumerate(self.live) if not on]
-        if len(prompts) > len(free) or not all(self.fits(p, 0) for p in prompts):
+        if len(prompts) > len(free) or not all(self.has_room(p, 0) for p in prompts):
             raise ValueError(f"join: {len(prompts)} prompts for {len(free)} free slots of a cache of "
                              f"{self.cache.max_len} positions")
         slots = free[:len(prompts)]
@@ -141,26 +143,27 @@ class Rows:
         logits = _prefill(self.model, self.cache, prompts, slots)
         for s in slots:
             self.live[s] = True
+        self.width = max(self.width, slots[-1] + 1)
         return slots, logits
 
-    def pick(self, slots: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Greedy picks from these slots' logits [len(slots), vocab], each the input of its slot's next step ->
-        (ids, top1 - top2 margins)."""
+    def advance(self, slots: list[int], logits: torch.Tensor, take: Callable[[int, int, float], bool]) -> None:
+        """Greedy picks from these slots' logits [len(slots), vocab], each the input of its slot's next step and
+        handed to ``take(slot, token, top1 - top2 margin)``, which says whether its row ends there (it leaves)."""
         ids, margins = _pick(logits, self.model.argmax_kernel)
-        for s, t in zip(slots, ids):
+        for s, t, m in zip(slots, ids, margins):
             self.last[s] = t
-        return ids, margins
+            if take(s, t, m):
+                self.leave(s)
 
     def leave(self, slot: int) -> None:
         self.live[slot] = False
 
     def step(self) -> tuple[list[int], torch.Tensor]:
         """One batched decode step -> (the live slots, their logits [len, vocab])."""
-        width = max(s for s, on in enumerate(self.live) if on) + 1
-        if idle := [s for s in range(width) if not self.live[s]]:
+        if idle := [s for s in range(self.width) if not self.live[s]]:
             self.cache.lengths[idle] = 0
-        live = [s for s in range(width) if self.live[s]]
-        return live, _decode(self.model, self.cache, self.last[:width], live)
+        live = [s for s in range(self.width) if self.live[s]]
+        return live, _decode(self.model, self.cache, self.last[:self.width], live)
 
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
@@ -217,15 +220,16 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 
     around = around or (lambda step, total: contextlib.nullcontext())
 
+    def take(r: int, t: int, m: float) -> bool:
+        out.tokens[r].append(t)
+        out.margins[r].append(m)
+        ended = t in eos or len(out.tokens[r]) >= max_new_tokens
+        return (stop is not None and stop(r, out.tokens[r])) or ended  # stop hears of every token
+
     def emit(slots: list[int], logits: torch.Tensor) -> None:
         if observe is not None:
             observe(slots, logits)
-        for r, t, m in zip(slots, *rows.pick(slots, logits)):
-            out.tokens[r].append(t)
-            out.margins[r].append(m)
-            ended = t in eos or len(out.tokens[r]) >= max_new_tokens
-            if (stop is not None and stop(r, out.tokens[r])) or ended:  # stop hears of every token
-                rows.leave(r)
+        rows.advance(slots, logits, take)
 
     with torch.inference_mode():
         rows = Rows(model, B, max(len(p) for p in prompts) + max_new_tokens)

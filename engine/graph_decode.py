@@ -115,7 +115,8 @@ class CapturedStep:
         """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
         for _, widths in self.caches.values():
             for state in widths.values():
-                state["graph"].reset()
+                if "graph" in state:  # not where its capture failed
+                    state["graph"].reset()
         self.caches.clear()
 
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:

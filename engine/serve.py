@@ -256,7 +256,7 @@ class Engine:
                 self._emit(rows, live, *rows.step())
                 if self.join == "step" and rows.free():
                     self._drain(waiting)
-                    if joining := self._admit(waiting, rows.free(), lambda j: rows.fits(j.ids, j.max_tokens)):
+                    if joining := self._admit(waiting, rows.free(), lambda j: rows.has_room(j.ids, j.max_tokens)):
                         batch += joining
                         self._start(rows, joining, live)
         except Exception as e:  # noqa: BLE001 - reported to every row of the batch still waiting
@@ -316,11 +316,14 @@ class Engine:
         if any(j.logprobs is not None for j in jobs):
             for j, row in zip(jobs, torch.log_softmax(logits.float(), -1)):
                 j.last = row
-        for s, j, t in zip(slots, jobs, rows.pick(slots, logits)[0]):
+        def take(s: int, t: int, _margin: float) -> bool:
+            j = live[s]
             j.tokens.append(t)
-            if self._emitted(j, j.tokens):
-                rows.leave(s)
+            if ended := self._emitted(j, j.tokens):
                 del live[s]
+            return ended
+
+        rows.advance(slots, logits, take)
 
     def _ends(self, job: Job, toks: list[int]) -> bool:
         """The row's last token is an EOS that ends it (not with ignore_eos)."""

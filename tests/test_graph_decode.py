@@ -61,29 +61,27 @@ def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(model
 
 def slot_reused(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Through generate.Rows, two slots: prompts 0 and 1 join together, row 0 leaves after its second token and its
-    slot is stepped idle (the graph step advances every slot up to the last live one) for three steps, then prompt 2
-    joins into it. -> each row's tokens (row 0's two, the others' n)."""
+    slot is stepped idle (the graph step advances every slot joined so far) for three steps, then prompt 2 joins into
+    it. -> each row's tokens (row 0's two, the others' n)."""
     tokens, row_of = [[] for _ in prompts], {}
 
-    def take(slots, logits):
-        for s, t in zip(slots, rows.pick(slots, logits)[0]):
-            tokens[row_of[s]].append(t)
-            if len(tokens[row_of[s]]) == (2 if row_of[s] == 0 else n):
-                rows.leave(s)
+    def take(s: int, t: int, _margin: float) -> bool:
+        tokens[row_of[s]].append(t)
+        return len(tokens[row_of[s]]) == (2 if row_of[s] == 0 else n)
 
     def add(ks):
         slots, logits = rows.join([prompts[k] for k in ks])
         row_of.update(zip(slots, ks))
-        take(slots, torch.stack([lg[-1] for lg in logits]))
+        rows.advance(slots, torch.stack([lg[-1] for lg in logits]), take)
 
     with torch.inference_mode():  # as generate's (a graph path's cache, made in an earlier one, is reset in it)
         rows = Rows(model, 2, max(len(p) for p in prompts) + n)
         add([0, 1])
         while rows.free() < 2:
             if len(tokens[1]) == 5 and not tokens[2]:
-                assert rows.cache.lengths[0].item() == (1 if model.graph_decode is not None else len(prompts[0]) + 1)
+                assert rows.cache.lengths[0].item() == 1  # stepped idle from position 0, not on from its row's
                 add([2])
-            take(*rows.step())
+            rows.advance(*rows.step(), take)
     return tokens
 
 

@@ -377,11 +377,12 @@ def recording(monkeypatch, before=None) -> list:
             self.steps.append(live)
             return live, logits
 
-        def pick(self, slots, logits):
-            ids, margins = super().pick(slots, logits)
-            for s, t in zip(slots, ids):
+        def advance(self, slots, logits, take):
+            def recorded(s, t, margin):
                 self.tokens[self.row[s]].append(t)
-            return ids, margins
+                return take(s, t, margin)
+
+            super().advance(slots, logits, recorded)
 
         def leave(self, slot):
             super().leave(slot)
@@ -445,6 +446,29 @@ def test_a_failed_batch_answers_each_row_500_and_the_next_batch_runs(engine, mon
     assert [status for status, _ in failed] == [500] * 3
     assert all(doc["error"]["type"] == "server_error" and "boom" in doc["error"]["message"] for _, doc in failed)
     assert ok[0] == 200 and len(ok[1]["choices"]) == 3
+
+
+def test_a_batch_failing_mid_decode_answers_only_its_unfinished_rows_500(engine, monkeypatch):
+    """Its second step fails: the row that ended at the first is answered, the other gets the 500, the next runs."""
+    model, tok = engine
+    steps = []
+
+    class Failing(serve.Rows):
+        def step(self):
+            steps.append(len(steps))
+            if len(steps) == 2:
+                raise RuntimeError("boom mid-batch")
+            return super().step()
+
+    monkeypatch.setattr(serve, "Rows", Failing)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)  # a batch closes at 2 rows
+    with live(eng) as base:
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda pn: post(base, {"prompt": pn[0], "max_tokens": pn[1]}),
+                                zip(PROMPTS[:2], (2, 6))))
+        after = post(base, {"prompt": PROMPTS[:2], "max_tokens": 3})  # two rows: the batch closes
+    assert [status for status, _ in got] == [200, 500] and "boom mid-batch" in got[1][1]["error"]["message"]
+    assert got[0][1]["choices"][0]["finish_reason"] == "length" and after[0] == 200
 
 
 def test_a_dead_worker_answers_what_waits_and_then_503(engine, monkeypatch):
