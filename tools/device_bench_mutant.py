@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow.estimate import cache_dir  # noqa: E402
+from workflow.estimate import checkpoint_dir  # noqa: E402
 from workflow.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
 
 
@@ -41,8 +41,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-mutant"))
     a = ap.parse_args()
     cfg = read_config(a.evidence / "config.yaml")
-    ckpt = a.checkpoint or (Path(cfg["checkpoint"]["path"]) if cfg["checkpoint"]["source"] == "local"
-                            else REPO / cache_dir(cfg))
+    ckpt = a.checkpoint or REPO / checkpoint_dir(cfg)
     shutil.rmtree(a.work, ignore_errors=True)
     ev = a.work / "evidence"
     shutil.copytree(a.evidence, ev, ignore=shutil.ignore_patterns("bench", "bench-*.json", "SUMMARY.md"))

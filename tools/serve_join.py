@@ -29,7 +29,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from engine.serve import JOINS  # noqa: E402
 from workflow import environment, targets  # noqa: E402
 from workflow.benchstats import summarize_http  # noqa: E402
-from workflow.estimate import cache_dir  # noqa: E402
+from workflow.estimate import checkpoint_dir  # noqa: E402
 from workflow.evidence import read_config  # noqa: E402
 from workflow.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
 from workflow.stages.serve_bench import USAGE, round_of  # noqa: E402
@@ -69,8 +69,7 @@ def main() -> None:
     if not (a.evidence / "config.yaml").is_file():
         ap.error(f"{a.evidence} is not a campaign's evidence directory (no config.yaml): evidence/<campaign>/<id>")
     cfg = read_config(a.evidence / "config.yaml")
-    ckpt = a.checkpoint or (Path(cfg["checkpoint"]["path"]) if cfg["checkpoint"]["source"] == "local"
-                            else REPO / cache_dir(cfg))
+    ckpt = a.checkpoint or REPO / checkpoint_dir(cfg)
     contract = DISTINCT if len(cfg["bench"].get("prompts") or []) >= a.concurrency else SAME
     texts = prompt_texts(cfg["bench"], a.concurrency, contract)
     gap_s, out = None if a.gap_ms is None else a.gap_ms / 1e3, []

@@ -179,10 +179,17 @@ def free_disk(path: Path) -> int:
 
 
 def cache_dir(config: dict) -> Path:
-    """The checkpoint cache directory of a synthetic, trained or hub campaign (common.smk's checkpoint_dir uses it)."""
+    """The checkpoint cache directory of a synthetic, trained or hub campaign."""
     spec = config["checkpoint"]
     key = config_hash({"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]})[:12]
     return CACHE / f"{spec['source']}-{key}"
+
+
+def checkpoint_dir(config: dict) -> Path:
+    """A campaign's checkpoint: a local one used in place (never a rule's output, so Snakemake never deletes it);
+    synthetic, trained and hub ones in the cache keyed by their spec (relative to the repository)."""
+    spec = config["checkpoint"]
+    return Path(spec["path"]) if spec["source"] == "local" else cache_dir(config)
 
 
 def campaign_need(config: dict, model: dict | None) -> Need | None:

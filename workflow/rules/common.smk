@@ -7,7 +7,7 @@ import sys
 
 from workflow import gpus, gsm8k, runs, screens, targets
 from workflow.campaign import evidence_config
-from workflow.estimate import cache_dir
+from workflow.estimate import checkpoint_dir
 from workflow.evidence import evidence_id, git_state
 
 PY = sys.executable  # the stages run in the interpreter that runs Snakemake
@@ -78,14 +78,7 @@ SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
 CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
 
 
-def checkpoint_dir():
-    """A local checkpoint is used in place (never a rule's output, so Snakemake never deletes it);
-    synthetic and hub ones live in a cache keyed by their spec (workflow/estimate.py checks its free disk)."""
-    spec = config["checkpoint"]
-    return spec["path"] if spec["source"] == "local" else str(cache_dir(config))
-
-
-CKPT = checkpoint_dir()
+CKPT = str(checkpoint_dir(config))  # workflow/estimate.py (which checks its free disk)
 PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 # the `engines:` entries as given (their URLs and commands travel on the command line; the evidence config records a
 # hash of each URL and the commands with their paths redacted): parity runs each (parity_target), quality the named
