@@ -5,7 +5,8 @@ the deterministic kernels of ``kernels/``.
   row is then computed exactly as the same row at batch 1;
 - the two projections that read the same input (a module's ``paired()``: q and kv_a in attention, gate and up in
   an MLP) run as one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
-- the greedy pick is ``argmax_batch`` (lowest index on ties, as torch.argmax).
+- the greedy pick is ``pick_batch`` (lowest index on ties, as torch.argmax, and the top1 - top2 margin, in one
+  launch).
 
 With ``batched`` (the graph decode step), projections of more than ``max_rows`` rows, up to 16, go through
 ``kernels.skinny`` on the tensor cores instead (pairs as one launch too); rows then agree with batch 1 to fp32
@@ -22,13 +23,13 @@ from torch import nn
 from .model import Linear, Transformer
 
 
-def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, max_rows: int | None = None,
+def enable(model: Transformer, skip=lambda module: False, pick: bool = True, max_rows: int | None = None,
            batched: bool = False) -> Transformer:
     """Attach the kernels to ``model`` in place, except to modules for which ``skip`` is true; projections of
     more than ``max_rows`` rows keep torch's path, or with ``batched`` take kernels.skinny. Imports Triton here,
     not at engine import: the interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels'
     decorators."""
-    from kernels.argmax import argmax_batch
+    from kernels.argmax import pick_batch
     from kernels.gemv import gemm_per_token, gemv_fused
     from kernels.skinny import skinny_linear
 
@@ -67,6 +68,6 @@ def enable(model: Transformer, skip=lambda module: False, argmax: bool = True, m
             module.rows_kernel = rows
         if hasattr(module, "paired"):
             module.pair_kernel = pair(*module.paired())
-    if argmax:
-        model.argmax_kernel = argmax_batch
+    if pick:
+        model.pick_kernel = pick_batch
     return model

@@ -479,7 +479,7 @@ class V4Transformer(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.argmax_kernel = None
+        self.pick_kernel = None
         self.graph_decode = None
         self.ropes = {k: Rope(rp, args.qk_rope_head_dim, args.max_position_embeddings)
                       for k, rp in args.rope_parameters.items()}

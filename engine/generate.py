@@ -2,7 +2,9 @@
 
 The prompts are prefilled together (one forward of the batch, ragged prompts padded on the right; each row is a
 row of the cache with its own length), then all unfinished rows decode together, one batched forward per step
-(``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``).
+(``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``). Each step is launched
+before the last one's tokens reach the host, its input the last one's picks on the device: the device does not wait
+for the host between steps (engine/DECODE.md measures what that wait cost).
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::
 
@@ -33,17 +35,17 @@ class Generation:
     margins: list[list[float]]  # per row, per step: top1 - top2 fp32 logit of the engine
 
 
-def _pick(logits: torch.Tensor, argmax=None) -> tuple[list[int], list[float]]:
-    """Greedy over fp32 logits [B, V]: argmax (first max on ties; ``argmax`` a kernel doing the same)
-    and top1-top2 margin."""
+def _picks(logits: torch.Tensor, kernel=None, counter=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy over fp32 logits [B, V], on their device: ids [B] by argmax (first max on ties) and the top1 - top2
+    margins [B] fp32; ``kernel`` (kernels.argmax.pick_batch, ``counter`` its scratch) the same in one launch."""
+    if kernel is not None:
+        return kernel(logits, fallback=lambda: _picks(logits), counter=counter)
     logits = logits.float()
-    ids = argmax(logits) if argmax is not None else torch.argmax(logits, dim=-1)
+    ids = torch.argmax(logits, dim=-1)
     if logits.shape[-1] > 1:
         top2 = torch.topk(logits, 2, dim=-1).values
-        margins = (top2[:, 0] - top2[:, 1]).tolist()
-    else:
-        margins = [float("inf")] * logits.shape[0]
-    return ids.tolist(), margins
+        return ids, top2[:, 0] - top2[:, 1]
+    return ids, torch.full(ids.shape, float("inf"), device=logits.device)
 
 
 def _check_batch(prompts) -> None:
@@ -97,14 +99,25 @@ def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]], s
     return out
 
 
-def _decode(model: Transformer, cache: LatentCache, last: list[int], rows: list[int]) -> torch.Tensor:
-    """One batched decode step -> logits [len(rows), vocab] of ``rows``; ``last`` holds the input token of every cache
-    row up to the last of ``rows`` (the graph step advances each of them; the eager forward only ``rows``)."""
-    device = model.embed_tokens.weight.device
+def _decode(model: Transformer, cache: LatentCache, tokens: torch.Tensor, rows: list[int],
+            index: torch.Tensor) -> torch.Tensor:
+    """One batched decode step -> logits [len(rows), vocab] of ``rows`` (``index``: the same on the device); ``tokens``
+    [W] holds the input token of every cache row up to the last of ``rows`` (the graph step advances each of them; the
+    eager forward only ``rows``)."""
     if model.graph_decode is not None:
-        return model.graph_decode.step(cache, torch.tensor(last, device=device))[rows]
-    tokens = torch.tensor([[last[r]] for r in rows], dtype=torch.long, device=device)
-    return model(tokens, cache, torch.tensor(rows, device=device))[:, -1]
+        logits = model.graph_decode.step(cache, tokens)
+        return logits if len(rows) == tokens.shape[0] else logits.index_select(0, index)
+    return model(tokens.index_select(0, index)[:, None], cache, index)[:, -1]
+
+
+@dataclass
+class Launched:
+    """A decode step on its way: its rows' picks coming back to the host (``Rows.launch``, ``Rows.finish``)."""
+    slots: list[int]
+    joined: list[int]  # each slot's join count at the launch: a row that left since (and any row after it) is not fed
+    ids: torch.Tensor  # [len(slots)] on the host once ``done`` has passed
+    margins: torch.Tensor
+    done: torch.cuda.Event | None  # None on the CPU, where the copies are done on return
 
 
 class Rows:
@@ -115,14 +128,23 @@ class Rows:
     slot is free for the next to join. The graph step advances every slot up to the highest ever joined (its width
     only grows, so a batch captures a graph only where a row joins above it): a free slot among them is stepped at
     position 0 and its results never read, so it can never run past the cache. Made and used under
-    ``torch.inference_mode`` (a graph path's caches are made in it and reused)."""
+    ``torch.inference_mode`` (a graph path's caches are made in it and reused).
+
+    Each slot's next input token stays on the device (``inputs``), where the step's own picks write it: ``launch``
+    starts a step without waiting for the one before it to reach the host, so the host's work on step k's tokens
+    overlaps step k + 1 on the device, and the device does not wait on the host between steps (``finish`` takes the
+    tokens; a step launched for a row that has left since is dropped)."""
 
     def __init__(self, model: Transformer, slots: int, max_len: int):
         self.model = model
         self.cache = _cache(model, slots, max_len)
-        self.last = [0] * slots  # each slot's input token for the next step
+        self.device = model.embed_tokens.weight.device
+        self.inputs = torch.zeros(slots, dtype=torch.long, device=self.device)  # each slot's next input token
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the pick kernel's
         self.live = [False] * slots
+        self.joined = [0] * slots  # rows joined at each slot so far
         self.width = 0  # the slots a step advances: up to the highest ever joined
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     def free(self) -> int:
         return self.live.count(False)
@@ -130,6 +152,16 @@ class Rows:
     def has_room(self, prompt: list[int], new_tokens: int) -> bool:
         """Whether the cache (its length fixed at the start) has room for a row of this prompt and new_tokens."""
         return len(prompt) + new_tokens <= self.cache.max_len
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        """These slots as a device index, copied once per set of slots: a copy from pageable host memory would wait for
+        the steps in flight."""
+        key = tuple(slots)
+        if key not in self._indices:
+            index = torch.tensor(key, dtype=torch.long)
+            self._indices[key] = (index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda"
+                                  else index)
+        return self._indices[key]
 
     def join(self, prompts: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
         """Prompts prefilled together into free slots -> (their slots, each one's logits [len(prompt), vocab]: the
@@ -143,15 +175,16 @@ class Rows:
         logits = _prefill(self.model, self.cache, prompts, slots)
         for s in slots:
             self.live[s] = True
+            self.joined[s] += 1
         self.width = max(self.width, slots[-1] + 1)
         return slots, logits
 
     def advance(self, slots: list[int], logits: torch.Tensor, take: Callable[[int, int, float], bool]) -> None:
         """Greedy picks from these slots' logits [len(slots), vocab], each the input of its slot's next step and
         handed to ``take(slot, token, top1 - top2 margin)``, which says whether its row ends there (it leaves)."""
-        ids, margins = _pick(logits, self.model.argmax_kernel)
-        for s, t, m in zip(slots, ids, margins):
-            self.last[s] = t
+        ids, margins = _picks(logits, self.model.pick_kernel, self.counter)
+        self.inputs[self._index(slots)] = ids
+        for s, t, m in zip(slots, ids.tolist(), margins.tolist()):
             if take(s, t, m):
                 self.leave(s)
 
@@ -159,11 +192,36 @@ class Rows:
         self.live[slot] = False
 
     def step(self) -> tuple[list[int], torch.Tensor]:
-        """One batched decode step -> (the live slots, their logits [len, vocab])."""
+        """One batched decode step -> (the live slots, their logits [len, vocab]), for ``advance``."""
         if idle := [s for s in range(self.width) if not self.live[s]]:
-            self.cache.lengths[idle] = 0
+            self.cache.lengths[self._index(idle)] = 0
         live = [s for s in range(self.width) if self.live[s]]
-        return live, _decode(self.model, self.cache, self.last[:self.width], live)
+        return live, _decode(self.model, self.cache, self.inputs[:self.width], live, self._index(live))
+
+    def launch(self) -> Launched:
+        """One batched decode step whose picks feed the next step on the device; ``finish`` hands them over."""
+        live, logits = self.step()
+        ids, margins = _picks(logits, self.model.pick_kernel, self.counter)
+        self.inputs[self._index(live)] = ids
+        cuda = self.device.type == "cuda"
+        out = Launched(live, [self.joined[s] for s in live], ids.to("cpu", non_blocking=cuda),
+                       margins.to("cpu", non_blocking=cuda), torch.cuda.Event() if cuda else None)
+        if out.done is not None:
+            out.done.record()
+        return out
+
+    def finish(self, step: Launched, take: Callable[[int, int, float], bool]) -> int:
+        """A launched step's picks, each handed to ``take`` as in ``advance`` if its row is still the one live in its
+        slot -> how many were handed."""
+        if step.done is not None:
+            step.done.synchronize()
+        handed = 0
+        for s, j, t, m in zip(step.slots, step.joined, step.ids.tolist(), step.margins.tolist()):
+            if self.live[s] and self.joined[s] == j:
+                handed += 1
+                if take(s, t, m):
+                    self.leave(s)
+        return handed
 
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
@@ -185,8 +243,10 @@ def forced(model: Transformer, prompts: list[list[int]], continuations: list[lis
     with torch.inference_mode():  # the cache too: a graph step's cache is reset in place
         cache = _cache(model, B, len(prompts[0]) + steps)
         observe(model(torch.tensor(prompts, device=model.embed_tokens.weight.device), cache))  # one length
+        rows = torch.arange(B, device=cache.lengths.device)
         for i in range(steps - 1):
-            observe(_decode(model, cache, [c[i] for c in continuations], list(range(B)))[:, None])
+            tokens = torch.tensor([c[i] for c in continuations], device=rows.device)
+            observe(_decode(model, cache, tokens, list(range(B)), rows)[:, None])
 
 
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
@@ -203,10 +263,12 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
     ``stop(row, tokens)`` is called after each token a row emits (tokens: its generated ids so far); when it
     returns true the row stops there (a server's stop strings, streaming).
     ``around(step, total)`` returns a context manager entered around the work of each step (step 1: the prefill of
-    every row; then one per batched decode step), numbered as ``progress`` numbers them: a profiler range or a timer
-    wraps exactly one step.
+    every row and its pick; then the launch of each batched decode step, ``Rows.launch``), numbered as ``progress``
+    numbers them: a profiler range, or a timer that synchronises on exit, wraps exactly one step, and a CUDA event
+    recorded on exit marks the step's end on the device (the host is told of its tokens later, while the next step
+    runs: ``progress`` is called then).
     ``observe(rows, logits)`` gets the logits [len(rows), vocab] that the next token of each of ``rows`` is picked
-    from, before the pick (a server's log-probs).
+    from, before the pick (a server's log-probs); with it the steps run one at a time, each waiting for the host.
     """
     _check_batch(prompts)
     if max_new_tokens < 0:
@@ -238,13 +300,28 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
             emit(slots, torch.stack([t[-1] for t in logits]))
         if progress is not None:
             progress(1, max_new_tokens)
-        for step in range(2, max_new_tokens + 1):
-            if rows.free() == B:  # every row done
+        if observe is not None:  # the logits of each step, before its pick: one step at a time
+            for step in range(2, max_new_tokens + 1):
+                if rows.free() == B:  # every row done
+                    break
+                with around(step, max_new_tokens):
+                    emit(*rows.step())
+                if progress is not None:
+                    progress(step, max_new_tokens)
+            return out
+        # step k + 1 is launched before step k's tokens reach the host: a row that ends at step k has had one step too
+        # many run, dropped (never past step max_new_tokens, so within its cache)
+        pending = None
+        for step in range(2, max_new_tokens + 2):
+            launched = None
+            if step <= max_new_tokens and rows.free() < B:
+                with around(step, max_new_tokens):
+                    launched = rows.launch()
+            if pending is not None and rows.finish(pending, take) and progress is not None:
+                progress(step - 1, max_new_tokens)
+            if launched is None:
                 break
-            with around(step, max_new_tokens):
-                emit(*rows.step())
-            if progress is not None:
-                progress(step, max_new_tokens)
+            pending = launched
     return out
 
 

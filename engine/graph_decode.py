@@ -1,15 +1,16 @@
 """The engine's graph decode path (the `graph` kernels setting): one decode step of every batch row, static
 shapes, no host synchronisation, captured once per (batch, cache length) in a CUDA graph and replayed.
 
-A layer is about twelve launches (engine/DECODE.md counts them), each launched with programmatic dependent
+A layer is about ten launches (engine/DECODE.md counts them), each launched with programmatic dependent
 launch (``kernels.pdl``) so that it overlaps the tail of the one before:
 - attention: the q and kv_a projections in one launch (``kernels.gemv`` at batch 1, ``kernels.skinny`` on the
-  tensor cores at 2-16 rows), ``kernels.mla.mla_cache_write`` (the
-  latent's RMSNorm, rope of k and q, the cache write), ``kernels.mla.mla_attention`` (three launches; MLA in the latent space:
-  kv_b_proj's up-projections absorbed into the query and the output, so attention reads the compressed cache
-  itself, kv_lora_rank + rope dims per token, up to each row's position), o_proj (the same kernels);
-- the residual add with the RMSNorm after it (``kernels.norm``);
-- the MoE: the router (``kernels.route``: fp32 logits, softmax, top-k), the routed pairs sorted by expert, and
+  tensor cores at 2-16 rows), ``kernels.mla.mla_decode`` (three launches: the latent's RMSNorm, rope of k and q and
+  the cache write riding with the query's absorption; MLA in the latent space: kv_b_proj's up-projections absorbed
+  into the query and the output, so attention reads the compressed cache itself, kv_lora_rank + rope dims per token,
+  up to each row's position), o_proj (the same kernels);
+- the residual add with the RMSNorm after it (``kernels.norm``), before a MoE in one launch with its router
+  (``kernels.route.add_norm_route``: fp32 logits, softmax, top-k);
+- the MoE: the routed pairs sorted by expert, and
   ``kernels.moe``'s two expert kernels. The shared experts ride along as extra experts of the stacks (slices of
   moe_intermediate_size, weight 1), so each chosen or shared expert's weights are read once per step. The
   weighted sum over slots is fused into the next residual add and norm.
@@ -149,7 +150,7 @@ class GraphDecode(CapturedStep):
             # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The
             # routed experts have their own kernel, and the vocabulary projection is cuBLAS's at any batch.
             routed = {id(m) for layer in model.layers if isinstance(layer.mlp, MoE) for m in layer.mlp.experts.modules()}
-            decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head, argmax=False,
+            decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head,
                                   max_rows=1, batched=True)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
         from kernels import mla, moe, norm, route
@@ -171,6 +172,8 @@ class GraphDecode(CapturedStep):
                 self.routes[i] = dict(shared=n_shared, remap=remap, method=moe.routing, n_group=moe.n_group or 1,
                                       topk_group=moe.topk_group or 1,
                                       bias=getattr(moe.gate, "e_score_correction_bias", None))
+        # the router's launch counts its programs in one of these (each back at zero after it), one a layer
+        self.counters = torch.zeros(len(model.layers), dtype=torch.int32, device=self.device)
         self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
         if self.ep is not None:
             self.ep.before_close(self.release)
@@ -188,11 +191,12 @@ class GraphDecode(CapturedStep):
         x = norm.rms_norm(h, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
         for i, layer in enumerate(m.layers):  # each residual add runs fused with the norm after it
             attn = self._attention(layer.self_attn, x, cache, i, pos)
-            h, x = norm.add_rms_norm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            post = layer.post_attention_layernorm
             after = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
             if isinstance(layer.mlp, MoE):
-                h, x = self._moe(layer.mlp, x, h, i, after)
+                h, x = self._moe(layer.mlp, h, attn, post, i, after)
             else:
+                h, x = norm.add_rms_norm(h, attn, post.weight, post.eps)
                 h, x = norm.add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
         logits = m.lm_head(x)
         pos += 1
@@ -203,16 +207,18 @@ class GraphDecode(CapturedStep):
         if not hasattr(attn, "q_proj"):
             q = attn.q_b_proj(attn.q_a_layernorm(q))
         q = q.view(x.shape[0], attn.n_heads, -1)
-        self.mla.mla_cache_write(q, kv_a, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, self.inv_freq,
-                                 self.model.attention_scaling, pos, cache.kv, cache.pe, layer)
         w_kv = attn.kv_b_proj.weight.view(attn.n_heads, attn.nope + attn.v_dim, attn.kv_lora_rank)
-        return attn.o_proj(self.mla.mla_attention(q, w_kv, cache.kv, cache.pe, layer, pos, attn.scale))
+        return attn.o_proj(self.mla.mla_decode(q, kv_a, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps,
+                                               self.inv_freq, self.model.attention_scaling, w_kv, cache.kv, cache.pe,
+                                               layer, pos, attn.scale))
 
-    def _moe(self, moe: MoE, x: torch.Tensor, h: torch.Tensor, layer: int, after):
-        """(h + the MoE's output, its norm): routed and shared experts through the stacks."""
+    def _moe(self, moe: MoE, h: torch.Tensor, attn: torch.Tensor, post, layer: int, after):
+        """The post-attention add and norm with the router (one launch), then (h + the MoE's output, its norm):
+        routed and shared experts through the stacks."""
         w13, w2 = self.stacks[layer]
-        ids, weights = self.route.route(x, moe.gate.weight, moe.top_k, moe.norm_topk_prob, moe.routed_scaling_factor,
-                                        **self.routes[layer])
+        h, x, ids, weights = self.route.add_norm_route(h, attn, post.weight, post.eps, moe.gate.weight, moe.top_k,
+                                                       moe.norm_topk_prob, moe.routed_scaling_factor,
+                                                       counter=self.counters[layer:layer + 1], **self.routes[layer])
         if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
             partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
             return self.norm.add_rms_norm(h, partial, after.weight, after.eps)

@@ -341,7 +341,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i, ep) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.argmax_kernel = None  # greedy pick over [B, V] logits (engine/decode_kernels.py); torch.argmax if None
+        self.pick_kernel = None  # greedy pick and margin over [B, V] logits (engine/decode_kernels.py); torch's if None
         self.graph_decode = None  # the CUDA-graph decode step (engine/graph_decode.py); the forward below if None
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

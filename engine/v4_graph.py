@@ -78,7 +78,7 @@ class V4GraphDecode(CapturedStep):
 
         self.model, self.ep = model, None
         self.bucket = 256  # a new prompt length would otherwise be a new cache shape: a new capture and compile
-        decode_kernels.enable(model, skip=lambda mod: mod is model.lm_head, argmax=False, max_rows=1, batched=True)
+        decode_kernels.enable(model, skip=lambda mod: mod is model.lm_head, max_rows=1, batched=True)
         w = model.embed_tokens.weight
         self.graphs = torch.cuda.is_available() and w.is_cuda
         # the step's torch ops fused by torch.compile (inductor) before the capture, on a GPU only; the project's

@@ -2,10 +2,12 @@
 
 gemv.py    gemv_exact, gemv_fused, gemm_per_token: one deterministic row kernel, bitwise contracts
 skinny.py  skinny_linear: projections of 2-16 rows on the tensor cores (the graph decode step above batch 1)
-argmax.py  argmax_batch: greedy pick, lowest index on ties
+argmax.py  pick_batch: greedy pick (lowest index on ties) and its margin, one launch
 moe.py     experts_gate_up, experts_down, moe_experts: routed experts, each read once per call (moe_bench.py)
-route.py   route: the MoE router (fp32 logits, softmax, top-k, shared slots) in two launches
-mla.py     mla_cache_write, mla_attention: MLA decode in the latent space (norm, rope, cache write, attention)
+route.py   route, add_norm_route: the MoE router (fp32 logits, softmax, top-k, shared slots) in one launch,
+           with the residual add and RMSNorm before it
+mla.py     mla_cache_write, mla_attention, mla_decode: MLA decode in the latent space (norm, rope, cache write,
+           attention)
 norm.py    rms_norm, add_rms_norm, moe_add_rms_norm: the residual add (or the MoE sum) and RMSNorm in one launch
 pdl.py     programmatic dependent launch: the launch flags and the wait every kernel of the decode step calls
 audit.py   registers, spills and shared memory of each compiled kernel

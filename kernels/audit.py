@@ -19,7 +19,7 @@ from . import argmax, gemv, hc as hc_kernel, moe, norm, skinny
 
 # What the audit compiles (the `kernel` of its rows), and what it does not, with why: the evidence says both.
 COVERED = ("gemv_exact", "gemm_per_token", "gemv_fused", "skinny_linear", "add_rms_norm", "experts_gate_up",
-           "experts_down", "argmax_batch", "hc_weights")
+           "experts_down", "pick_batch", "hc_weights")
 NOT_COVERED = {
     "mla (cache write, q latent, latent attention, out)": "not launched here: it needs a model's latent cache",
     "route (logits, select)": "not launched here",
@@ -93,8 +93,9 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         rows.append(resources("hc_weights", compiled, n=n, iters=iters, dtype="float32"))
     for dt in (torch.float32, dtype):
         logits = rand(8, vocab, dt=dt)
-        out = torch.empty(8, dtype=torch.int64, device=device)
-        rows.append(resources("argmax_batch", argmax._launch(logits, out), V=vocab, dtype=f"{dt}".removeprefix("torch.")))
+        ids, margins = torch.empty(8, dtype=torch.int64, device=device), torch.empty(8, device=device)
+        compiled = argmax._launch(logits, ids, margins, torch.zeros(1, dtype=torch.int32, device=device))
+        rows.append(resources("pick_batch", compiled, V=vocab, dtype=f"{dt}".removeprefix("torch.")))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: four launches a layer, for CUDA graphs.
+"""Multi-head latent attention (DeepSeek-V2, absorbed form) at decode: three launches a layer, for CUDA graphs.
 
 - ``mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)``: RMSNorm of
   kv_a[b, :R] into cache_kv [layers, rows, L, R] and rope of kv_a[b, R:] into cache_pe [layers, rows, L, Dr], both
@@ -6,6 +6,8 @@
 - ``mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)`` -> out [B, H*v] in q's dtype: row b's heads
   over positions 0..pos[b] of cache row b, w_kv [H, nope + v, R] holding W_UK and W_UV; fp32 inside, rounded
   once. Three launches.
+- ``mla_decode(q, kv_a, norm_weight, eps, inv_freq, scaling, w_kv, cache_kv, cache_pe, layer, pos, scale)``: the two
+  above in order, the same results, in three launches: the cache write runs as extra programs of the first.
 One dtype (fp16/bf16/fp32) for q, kv_a, weights and caches; pos int32/int64, each in [0, L) (the device cannot
 check it). Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the
 same maths; wrong shapes raise ValueError. Contract, launches, measurements: kernels/KERNELS.md, section
@@ -43,14 +45,19 @@ WRITE_WARPS = 4
 
 # ---- kernels -------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["layer", "rows"])
-def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scaling, kva_stride, layer, rows,
-                        H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """Program b: row b's cache slot at pos[b], and its query heads' rope parts in place."""
-    pdl.wait(PDL)
-    b = tl.program_id(0)
-    p = tl.load(pos + b)
+@triton.jit
+def _rope_freqs(p, inv_freq, scaling, DR: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rope pair i at position p is rotated by the complex (fr, fi), as torch.polar(1, angle) * scaling makes it."""
+    i = tl.arange(0, BLOCK_P)
+    im = i < DR // 2
+    angle = p.to(tl.float32) * tl.load(inv_freq + i, mask=im, other=0.0)
+    return tl.cos(angle) * scaling, tl.sin(angle) * scaling, i, im
+
+
+@triton.jit
+def _write_latent(kv_a, w, cache_kv, cache_pe, eps, kva_stride, layer, rows, b, p, fr, fi, i, im, R: tl.constexpr,
+                  DR: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row b's cache slot at position p: the RMSNorm of its c_kv and the rope of its k_pe."""
     keep = (p >= 0) & (p < L)  # a position outside the cache is skipped, never written out of bounds
     slot = ((layer * rows + b).to(tl.int64) * L + p.to(tl.int64))
     src = kv_a + b.to(tl.int64) * kva_stride
@@ -61,20 +68,17 @@ def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scal
     normed = (c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)).to(kv_a.dtype.element_ty).to(tl.float32)
     y = tl.load(w + r, mask=rm, other=0.0).to(tl.float32) * normed
     tl.store(cache_kv + slot * R + r, y.to(cache_kv.dtype.element_ty), mask=rm & keep)
-    # rope: pair i of x is rotated by the complex (fr, fi), freqs as torch.polar(1, angle) * scaling makes them
-    i = tl.arange(0, BLOCK_P)
-    im = i < DR // 2
-    angle = p.to(tl.float32) * tl.load(inv_freq + i, mask=im, other=0.0)
-    fr = tl.cos(angle) * scaling
-    fi = tl.sin(angle) * scaling
     ke = tl.load(src + R + 2 * i, mask=im, other=0.0).to(tl.float32)
     ko = tl.load(src + R + 2 * i + 1, mask=im, other=0.0).to(tl.float32)
     pe = cache_pe + slot * DR + 2 * i
     tl.store(pe, (ke * fr - ko * fi).to(cache_pe.dtype.element_ty), mask=im & keep)
     tl.store(pe + 1, (ke * fi + ko * fr).to(cache_pe.dtype.element_ty), mask=im & keep)
-    # every head's q_pe, in place
-    h = tl.arange(0, BLOCK_H)
-    qm = (h < H)[:, None] & im[None, :]
+
+
+@triton.jit
+def _rotate_q(q, b, h, hm, fr, fi, i, im, H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr):
+    """The rope part of row b's query heads h (a block, live where hm), in place."""
+    qm = hm[:, None] & im[None, :]
     qp = q + b.to(tl.int64) * (H * (NOPE + DR)) + h[:, None] * (NOPE + DR) + NOPE + 2 * i[None, :]
     qe = tl.load(qp, mask=qm, other=0.0).to(tl.float32)
     qo = tl.load(qp + 1, mask=qm, other=0.0).to(tl.float32)
@@ -82,26 +86,51 @@ def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scal
     tl.store(qp + 1, (qe * fi[None, :] + qo * fr[None, :]).to(q.dtype.element_ty), mask=qm)
 
 
-@triton.jit
-def _q_latent_kernel(q, w_kv, q_lat, H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr,
-                     V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):
-    """Program (b, h, j): q_lat[b, h, j*BLOCK_R:(j+1)*BLOCK_R] = q_nope[b, h] @ W_UK[h][:, that slice], fp32."""
+@triton.jit(do_not_specialize=["layer", "rows"])
+def _cache_write_kernel(q, kv_a, w, inv_freq, pos, cache_kv, cache_pe, eps, scaling, kva_stride, layer, rows,
+                        H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, L: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Program b: row b's cache slot at pos[b], and its query heads' rope parts in place."""
+    pdl.wait(PDL)
+    b = tl.program_id(0)
+    p = tl.load(pos + b)
+    fr, fi, i, im = _rope_freqs(p, inv_freq, scaling, DR, BLOCK_P)
+    _write_latent(kv_a, w, cache_kv, cache_pe, eps, kva_stride, layer, rows, b, p, fr, fi, i, im, R, DR, L, BLOCK_R)
+    h = tl.arange(0, BLOCK_H)
+    _rotate_q(q, b, h, h < H, fr, fi, i, im, H, NOPE, DR)
+
+
+@triton.jit(do_not_specialize=["layer", "rows"])
+def _q_latent_kernel(q, w_kv, q_lat, kv_a, w_norm, inv_freq, pos, cache_kv, cache_pe, eps, scaling, kva_stride, layer,
+                     rows, H: tl.constexpr, NOPE: tl.constexpr, DR: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                     L: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+                     WRITE: tl.constexpr, FULL_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    """Program (b, h, j): q_lat[b, h, j*BLOCK_R:(j+1)*BLOCK_R] = q_nope[b, h] @ W_UK[h][:, that slice], fp32. With
+    WRITE, programs (b, h, cdiv(R, BLOCK_R)) also do mla_cache_write's work, a launch fewer: head h's rope part in
+    place, and at h = 0 row b's cache slot (q_lat reads q_nope only, so the two parts never touch the same memory)."""
     pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rm = r < R
-    w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
-    q_bh = q + (b * H + h).to(tl.int64) * (NOPE + DR)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for n0 in tl.range(0, NOPE, BLOCK_N, num_stages=STAGES):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < NOPE
-        qn = tl.load(q_bh + n, mask=nm, other=0.0).to(tl.float32)
-        wt = tl.load(w_h + n[:, None] * R + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wt * qn[:, None], axis=0)
-    tl.store(q_lat + (b * H + h).to(tl.int64) * R + r, acc, mask=rm)
+    if WRITE and tl.program_id(2) == tl.cdiv(R, BLOCK_R):
+        p = tl.load(pos + b)
+        fr, fi, i, im = _rope_freqs(p, inv_freq, scaling, DR, BLOCK_P)
+        _rotate_q(q, b, h + tl.arange(0, 1), tl.full([1], True, tl.int1), fr, fi, i, im, H, NOPE, DR)
+        if h == 0:
+            _write_latent(kv_a, w_norm, cache_kv, cache_pe, eps, kva_stride, layer, rows, b, p, fr, fi, i, im, R, DR,
+                          L, FULL_R)
+    else:
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < R
+        w_h = w_kv + h.to(tl.int64) * ((NOPE + V) * R)
+        q_bh = q + (b * H + h).to(tl.int64) * (NOPE + DR)
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for n0 in tl.range(0, NOPE, BLOCK_N, num_stages=STAGES):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < NOPE
+            qn = tl.load(q_bh + n, mask=nm, other=0.0).to(tl.float32)
+            wt = tl.load(w_h + n[:, None] * R + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wt * qn[:, None], axis=0)
+        tl.store(q_lat + (b * H + h).to(tl.int64) * R + r, acc, mask=rm)
 
 
 @triton.jit(do_not_specialize=["layer", "rows"])
@@ -323,9 +352,10 @@ def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache
         **pdl.flags(q.device))
 
 
-def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
-    """Three launches through fp32 scratch (q_lat [B, H, R], the chunks' partials); returns Triton's compiled
-    kernels in launch order (Nones under the interpreter)."""
+def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write=None):
+    """Three launches through fp32 scratch (q_lat [B, H, R], the chunks' partials); ``write`` (kv_a, norm_weight, eps,
+    inv_freq, scaling): mla_cache_write's work too, in the first. Returns Triton's compiled kernels in launch order
+    (Nones under the interpreter)."""
     B, H, hd = q.shape
     layers, rows, L, R = cache_kv.shape
     Dr = cache_pe.shape[-1]
@@ -339,9 +369,13 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out):
     block_r, slice_r = triton.next_power_of_2(R), min(SLICE_R, triton.next_power_of_2(R))
     slice_v = min(SLICE_V, triton.next_power_of_2(V))
     flags = pdl.flags(q.device)
-    k1 = _q_latent_kernel[(B, H, triton.cdiv(R, slice_r))](
-        q, w_kv, q_lat, H=H, NOPE=nope, DR=Dr, R=R, V=V, BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)),
-        BLOCK_R=slice_r, STAGES=W_STAGES, num_warps=SLICE_WARPS, **flags)
+    kv_a, norm_weight, eps, inv_freq, scaling = write or (q, q, 0.0, q, 0.0)  # unread without WRITE
+    k1 = _q_latent_kernel[(B, H, triton.cdiv(R, slice_r) + (write is not None))](
+        q, w_kv, q_lat, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, float(eps), float(scaling),
+        kv_a.stride(0), layer, rows, H=H, NOPE=nope, DR=Dr, R=R, V=V, L=L,
+        BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)), BLOCK_R=slice_r, STAGES=W_STAGES,
+        WRITE=write is not None, FULL_R=block_r, BLOCK_P=triton.next_power_of_2(Dr // 2), num_warps=SLICE_WARPS,
+        **flags)
     k2 = _latent_attention_kernel[(B, H, splits)](
         q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
         L=L, CHUNK=chunk, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L,
@@ -367,10 +401,26 @@ def mla_attention(q, w_kv, cache_kv, cache_pe, layer: int, pos, scale: float) ->
     positions 0..pos[b] of cache row b, fp32 inside."""
     if mla_reason(q, w_kv, cache_kv, cache_pe, layer, pos):
         return mla_reference(q, w_kv, cache_kv, cache_pe, layer, pos, scale)
-    B, H = q.shape[:2]
-    out = torch.empty(B, H * (w_kv.shape[1] - q.shape[2] + cache_pe.shape[-1]), dtype=q.dtype, device=q.device)
+    out = _attention_out(q, w_kv, cache_pe)
     _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out)
     return out
 
 
-__all__ = ["mla_cache_write", "mla_attention", "mla_reference", "cache_write_reason", "mla_reason"]
+def _attention_out(q, w_kv, cache_pe) -> torch.Tensor:
+    B, H = q.shape[:2]
+    return torch.empty(B, H * (w_kv.shape[1] - q.shape[2] + cache_pe.shape[-1]), dtype=q.dtype, device=q.device)
+
+
+def mla_decode(q, kv_a, norm_weight, eps: float, inv_freq, scaling: float, w_kv, cache_kv, cache_pe, layer: int, pos,
+               scale: float) -> torch.Tensor:
+    """mla_cache_write then mla_attention, the same results, in three launches (the write rides with the first)."""
+    if cache_write_reason(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer) \
+            or mla_reason(q, w_kv, cache_kv, cache_pe, layer, pos):
+        mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)
+        return mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)
+    out = _attention_out(q, w_kv, cache_pe)
+    _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, (kv_a, norm_weight, eps, inv_freq, scaling))
+    return out
+
+
+__all__ = ["mla_cache_write", "mla_attention", "mla_decode", "mla_reference", "cache_write_reason", "mla_reason"]

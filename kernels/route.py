@@ -1,4 +1,5 @@
-"""route: the MoE router of the decode step (gate logits, scores, top-k, weights, shared slots) in two launches.
+"""route: the MoE router of the decode step (gate logits, scores, top-k, weights, shared slots) in one launch at
+batch 1, two above.
 
 The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) against gate_weight [E, D]
 (E <= MAX_E), fp16/bf16/fp32. Returns ids [B, top_k + shared] int64 and weights fp32: the top_k experts in
@@ -10,7 +11,10 @@ shapes raise ValueError. The kernel routes all three ways (``method``): greedy t
 (DeepSeek-V2-Lite), DeepSeek-V2's group_limited_greedy (the topk_group of n_group contiguous groups with the best
 score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a correction bias for the choice,
 groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
-the lowest index.
+the lowest index. ``add_norm_route`` also makes x itself, from the residual add and RMSNorm before the router
+(kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1: the decode step's post-attention
+norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to finish (an atomic
+count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import norm, pdl
 from ._admit import device_reason, dtype_reason
 
 MAX_B = 16  # rows a call (moe.MAX_B: the routed experts' kernel takes the same batches)
@@ -34,38 +38,27 @@ METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # the kernel's METHOD,
 BLOCK_E = 4
 BLOCK_D = 256
 LOGITS_WARPS = 1
+ROW_IN_ONE_WARP = 4096  # add_norm_route holds a whole row of x per program: a wider one takes four warps
+# Up to this many rows the last logits program selects (one launch; add_norm_route makes x in it too); above it a
+# second launch selects the rows in parallel and add_norm_route is the norm's launch and route's two. On an H200 at
+# V2-Lite's shape one launch with the norm took 4.8 us at batch 1 against 6.0 for the norm, logits and select apart,
+# and 24.7 us at batch 8 (one program selecting 8 rows in turn, every program norming 8 rows) against 8.5.
+ONE_LAUNCH_ROWS = 1
 
 
 @triton.jit
-def _logits_kernel(x, w, part, B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i
-    and every row b. The weight tile is loaded once for all rows."""
-    split = tl.program_id(1)
-    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    ds = split * BLOCK_D + tl.arange(0, BLOCK_D)
-    elive, dlive = es < E, ds < D
-    wt = tl.load(w + es[:, None] * D + ds[None, :], mask=elive[:, None] & dlive[None, :], other=0.0).to(tl.float32)
-    pdl.wait(PDL)  # the gate weight is no kernel's output: its load overlaps the previous kernel's tail
-    for b in tl.static_range(B):  # unrolled: every row's x loads are in flight at once
-        xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
-        tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
-
-
-@triton.jit
-def _select_kernel(part, remap, bias, ids, wts, B, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                   S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
-                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_E: tl.constexpr,
-                   SLOTS: tl.constexpr, PDL: tl.constexpr):
+def _select_row(part, remap, bias, ids, wts, B: tl.constexpr, b, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr,
+                K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_E: tl.constexpr,
+                SLOTS: tl.constexpr):
     """Row b: logits from the partials, the scores (softmax; noaux_tc: sigmoid, plus the bias for the choice), the
     group restriction (METHOD 1 and 2), the top K by the choice, their weights, S shared slots, the remap."""
-    pdl.wait(PDL)
-    b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     live = e < E
     logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch
-        logits += tl.load(part + (j * B + b) * E + e, mask=live, other=0.0)
+    for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch; the partials are other
+        # programs' writes, read past the L1 cache
+        logits += tl.load(part + (j * B + b) * E + e, mask=live, other=0.0, cache_modifier=".cg")
     logits = tl.where(live, logits, float("-inf"))
     if METHOD == 2:  # noaux_tc: sigmoid scores; the bias steers the choice only
         scores = tl.math.div_rn(tl.zeros_like(logits) + 1.0, 1.0 + tl.exp(-logits))
@@ -126,6 +119,72 @@ def _select_kernel(part, remap, bias, ids, wts, B, scaling, N_SPLIT: tl.constexp
         pick = tl.load(remap + pick, mask=out, other=-1)
     tl.store(ids + b * (K + S) + slot, pick.to(tl.int64), mask=out)
     tl.store(wts + b * (K + S) + slot, weight, mask=out)
+
+
+@triton.jit
+def _add_norm_slice(h, delta, norm_w, h_out, x_out, eps, b, ds, dlive, first, D: tl.constexpr,
+                    BLOCK_ROW: tl.constexpr):
+    """x[b] over columns ds of h[b] + delta[b] normed as kernels/norm.py's add_rms_norm rounds it (delta rounded to h's
+    dtype, the sum rounded, fp32 mean of squares, the norm rounded, times the weight, rounded). Every program computes
+    the row's sum of squares with the same code, so all agree; ``first`` stores the row's h and x."""
+    cols = tl.arange(0, BLOCK_ROW)
+    keep = cols < D
+    dt = h_out.dtype.element_ty
+    v = (tl.load(h + b * D + cols, mask=keep, other=0.0).to(tl.float32)
+         + tl.load(delta + b * D + cols, mask=keep, other=0.0).to(tl.float32).to(dt).to(tl.float32)).to(dt)
+    tl.store(h_out + b * D + cols, v, mask=keep & first)
+    v = v.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+    w_row = tl.load(norm_w + cols, mask=keep & first, other=0.0).to(tl.float32)  # only the first stores x
+    tl.store(x_out + b * D + cols, (w_row * (v * inv).to(dt).to(tl.float32)).to(dt), mask=keep & first)
+    vs = (tl.load(h + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
+          + tl.load(delta + b * D + ds, mask=dlive, other=0.0).to(tl.float32).to(dt).to(tl.float32)).to(dt)
+    ws = tl.load(norm_w + ds, mask=dlive, other=0.0).to(tl.float32)
+    return (ws * (vs.to(tl.float32) * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, norm_w, h_out, eps,
+                  B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ADD_NORM: tl.constexpr, SELECT: tl.constexpr, BLOCK_ROW: tl.constexpr, N_SPLIT: tl.constexpr,
+                  K: tl.constexpr,
+                  S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, E_PAD: tl.constexpr,
+                  SLOTS: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i and
+    every row b (the weight tile loaded once for all rows); with ADD_NORM, x is made here from h + delta (as
+    kernels/norm.py's add_rms_norm), and program (0, 0) writes h_out and x. With SELECT the last program to finish (a
+    counter, put back to 0 for the next launch) selects every row's experts from the partials: one launch, not two."""
+    split = tl.program_id(1)
+    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ds = split * BLOCK_D + tl.arange(0, BLOCK_D)
+    elive, dlive = es < E, ds < D
+    wt = tl.load(w + es[:, None] * D + ds[None, :], mask=elive[:, None] & dlive[None, :], other=0.0).to(tl.float32)
+    pdl.wait(PDL)  # the gate weight is no kernel's output: its load overlaps the previous kernel's tail
+    first = (tl.program_id(0) == 0) & (split == 0)
+    for b in tl.static_range(B):  # unrolled: every row's x loads are in flight at once
+        if ADD_NORM:
+            xb = _add_norm_slice(h, delta, norm_w, h_out, x, eps, b, ds, dlive, first, D, BLOCK_ROW)
+        else:
+            xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
+        tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
+    # acq_rel: this program's partials are visible before its count, and the last sees every other's
+    if SELECT and tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+        for row in range(B):
+            _select_row(part, remap, bias, ids, wts, B, row, scaling, N_SPLIT, E, K, S, NORM, REMAP, METHOD, N_GROUP,
+                        TOPK_GROUP, GROUPS, E_PAD, SLOTS)
+        tl.atomic_xchg(count, 0)
+
+
+@triton.jit
+def _select_kernel(part, remap, bias, ids, wts, scaling, B: tl.constexpr, N_SPLIT: tl.constexpr, E: tl.constexpr,
+                   K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, E_PAD: tl.constexpr,
+                   SLOTS: tl.constexpr, PDL: tl.constexpr):
+    """Program b: row b's selection (above ONE_LAUNCH_ROWS rows: the rows in parallel)."""
+    pdl.wait(PDL)
+    _select_row(part, remap, bias, ids, wts, B, tl.program_id(0), scaling, N_SPLIT, E, K, S, NORM, REMAP, METHOD,
+                N_GROUP, TOPK_GROUP, GROUPS, E_PAD, SLOTS)
 
 
 # ---- shapes (errors), admission (fallbacks) and the torch path ---------------------------------------------
@@ -229,32 +288,72 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 
 # ---- launches -----------------------------------------------------------------------------------------------
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
-          shared: int = 0, remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1,
-          topk_group: int = 1, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, top_k + shared] int64, weights [B, top_k + shared] fp32) for x [B, D] against gate_weight [E, D]."""
-    if route_reason(x, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias):
-        return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
-                               topk_group, bias)
+def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
+            counter, norm=None):
+    """One launch (two above ONE_LAUNCH_ROWS rows) -> (ids, weights); ``norm`` (h, delta, norm_weight, eps, h_out): x
+    is made in the first (add_rms_norm)."""
     (B, D), E = x.shape, gate_weight.shape[0]
     block_e, block_d = min(BLOCK_E, triton.next_power_of_2(E)), min(BLOCK_D, triton.next_power_of_2(D))
     n_split = triton.cdiv(D, block_d)
     part = torch.empty(n_split, B, E, dtype=torch.float32, device=x.device)
-    _logits_kernel[(triton.cdiv(E, block_e), n_split)](x, gate_weight, part, B, E=E, D=D, BLOCK_E=block_e,
-                                                       BLOCK_D=block_d, num_warps=LOGITS_WARPS, **pdl.flags(x.device))
+    if counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     slots = top_k + shared
     ids = torch.empty(B, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(B, slots, dtype=torch.float32, device=x.device)
     e_pad, kind = triton.next_power_of_2(E), METHODS.index(method)
     if kind == 0 or topk_group == n_group:
         n_group = topk_group = 1  # no group is dropped: the group code is not compiled in
-    _select_kernel[(B,)](part, ids if remap is None else remap, bias if kind == 2 else part, ids, weights, B,
-                         float(scaling), N_SPLIT=n_split, E=E, K=top_k, S=shared,
-                         NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,
-                         N_GROUP=n_group, TOPK_GROUP=topk_group, GROUPS=triton.next_power_of_2(n_group),
-                         BLOCK_E=e_pad, SLOTS=triton.next_power_of_2(slots), num_warps=1 if e_pad <= 256 else 4,
-                         **pdl.flags(x.device))
+    h, delta, norm_weight, eps, h_out = norm or (x, x, x, 0.0, x)  # unread without ADD_NORM
+    block_row = triton.next_power_of_2(D)
+    one = B <= ONE_LAUNCH_ROWS
+    flags = pdl.flags(x.device)
+    select = dict(NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,
+                  N_GROUP=n_group, TOPK_GROUP=topk_group, GROUPS=triton.next_power_of_2(n_group), E_PAD=e_pad,
+                  SLOTS=triton.next_power_of_2(slots), N_SPLIT=n_split, K=top_k, S=shared)
+    lookup = ids if remap is None else remap, bias if kind == 2 else part
+    _route_kernel[(triton.cdiv(E, block_e), n_split)](
+        x, gate_weight, part, counter, *lookup, ids, weights, float(scaling), h, delta, norm_weight, h_out, float(eps),
+        B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one, BLOCK_ROW=block_row,
+        num_warps=LOGITS_WARPS if block_row <= ROW_IN_ONE_WARP else 4, **select, **flags)
+    if not one:
+        _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select,
+                             num_warps=1 if e_pad <= 256 else 4, **flags)
     return ids, weights
 
 
-__all__ = ["MAX_B", "route", "route_reason", "route_reference"]
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
+          shared: int = 0, remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1,
+          topk_group: int = 1, bias: torch.Tensor | None = None,
+          counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, top_k + shared] int64, weights [B, top_k + shared] fp32) for x [B, D] against gate_weight [E, D].
+    ``counter``: int32 [1], zero, the launch's own (it is back to zero after): a graph step passes one a layer;
+    None allocates it."""
+    if route_reason(x, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias):
+        return route_reference(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
+                               topk_group, bias)
+    return _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
+                   counter)
+
+
+def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
+                   remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
+                   bias: torch.Tensor | None = None, counter: torch.Tensor | None = None):
+    """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights), in one
+    launch: (h', x, ids, weights)."""
+    if delta.shape != h.shape:
+        raise ValueError(f"h {tuple(h.shape)} and delta {tuple(delta.shape)} differ in shape")
+    if norm.norm_reason(h, norm_weight) or dtype_reason("delta", delta.dtype) or device_reason(h, delta) \
+            or not delta.is_contiguous() or h.shape[0] > ONE_LAUNCH_ROWS \
+            or route_reason(h, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias):
+        h, x = norm.add_rms_norm(h, delta, norm_weight, eps)
+        return h, x, *route(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
+                            topk_group, bias, counter)
+    h_out, x = torch.empty_like(h), torch.empty_like(h)
+    ids, weights = _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group,
+                           bias, counter, (h, delta, norm_weight, eps, h_out))
+    return h_out, x, ids, weights
+
+
+__all__ = ["MAX_B", "add_norm_route", "route", "route_reason", "route_reference"]

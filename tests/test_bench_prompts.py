@@ -118,8 +118,8 @@ def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch
 
     decode = g._decode
 
-    def mixed(model, cache, last, rows):
-        return decode(model, cache, last[1:] + last[:1] if len(last) > 1 else last, rows)
+    def mixed(model, cache, last, rows, index):
+        return decode(model, cache, last.roll(-1) if len(last) > 1 else last, rows, index)
 
     monkeypatch.setattr(g, "_decode", mixed)
     ckpt, ev = make(tmp_path)

@@ -14,6 +14,7 @@ vs HF full-sequence logits), logit scale ~2.5:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -317,6 +318,43 @@ def test_forward_rows_at_different_positions(batch_model):
         ref_a = hf(torch.tensor([a + ca])).logits[0, -3:]
     assert (out[0] - ref_b).abs().max() < TOL
     assert (out[1] - ref_a).abs().max() < TOL
+
+
+def test_launched_steps_decode_as_steps_one_at_a_time(batch_model):
+    """generate launches step k + 1 before step k's tokens reach the host (``observe`` makes it wait for each): the
+    same tokens and margins either way (to fp32 rounding: a step launched before a row's end is known still holds the
+    row, and CPU matmuls round by batch), where rows end at different steps (an EOS, a stop) and the step launched for
+    rows already ended is dropped: no token, no progress call."""
+    _, eng = batch_model
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3]]
+    free = generate(eng, prompts, N_NEW).tokens
+    eos = free[1][3]  # row 1 ends at its 4th token
+
+    def stop(r, toks):
+        return len(toks) == {0: 10, 2: 6}.get(r)
+
+    def run(observe=None):
+        steps, progress = [], []
+
+        @contextlib.contextmanager
+        def around(step, total):
+            steps.append(step)
+            yield
+
+        gen = generate(eng, prompts, N_NEW, eos_token_id=eos, stop=stop, around=around, observe=observe,
+                       progress=lambda s, t: progress.append(s))
+        return gen, steps, progress
+
+    launched, steps, progress = run()
+    waited, steps_waited, progress_waited = run(observe=lambda rows, logits: None)
+    assert launched.tokens == waited.tokens
+    for a, b in zip(launched.margins, waited.margins):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert [len(t) for t in launched.tokens] == [10, 4, 6]
+    for r, row in enumerate(launched.tokens):
+        assert row == free[r][:len(row)]
+    assert progress == progress_waited == steps_waited == list(range(1, 11))
+    assert steps == list(range(1, 12))  # one step launched past the last token, and dropped
 
 
 def test_progress_and_generate_errors(batch_model):

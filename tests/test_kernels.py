@@ -115,9 +115,17 @@ def test_shape_errors_are_errors_not_fallbacks(gen):
         gemv.gemv_fused(x, w, [4, 5], [torch.float32] * 2)
 
 
+def torch_pick(logits):
+    """The reference, built here: torch.argmax, and top1 - top2 of torch.topk over the fp32 logits."""
+    top2 = torch.topk(logits.float(), 2, dim=-1).values
+    return torch.argmax(logits, dim=-1), top2[:, 0] - top2[:, 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("V", VOCAB)
-def test_argmax_batch_matches_torch_with_ties(dtype, V, gen):
+def test_pick_batch_matches_torch_with_ties(dtype, V, gen):
+    """ids as torch.argmax (the lowest index on ties, the first NaN), margins as torch.topk's top two (0 for a repeated
+    maximum, NaN beside a NaN), on fresh random logits with ties inside a block, across blocks and in the last one."""
     B = 8
     logits = fresh(B, V, dtype=dtype, gen=gen)
     top = (logits.float().max() + 1).to(dtype).item()
@@ -128,22 +136,29 @@ def test_argmax_batch_matches_torch_with_ties(dtype, V, gen):
     if V > 5:
         logits[3, [5, V - 2]] = float("nan")  # NaN is the maximum, as in torch: the first NaN
     logits[4] = float("-inf")
-    assert am.argmax_reason(logits) is None
-    got = am.argmax_batch(logits)
-    assert got.dtype == torch.int64
-    assert torch.equal(got, torch.argmax(logits, dim=-1)), got.tolist()
+    logits[5, 1] = top  # a single maximum: a margin above 0
+    assert am.pick_reason(logits) is None
+    ids, margins = am.pick_batch(logits, fallback=None)
+    assert ids.dtype == torch.int64 and margins.dtype == torch.float32
+    want_ids, want_margins = torch_pick(logits)
+    assert torch.equal(ids, want_ids), ids.tolist()
+    assert torch.equal(margins.isnan(), want_margins.isnan())
+    assert torch.equal(margins.nan_to_num(), want_margins.nan_to_num()), (margins, want_margins)
+    assert margins[0].item() == 0 and margins[5].item() > 0
     if V > 3:
-        assert got[1].item() == 2 and got[2].item() == V - 1
+        assert ids[1].item() == 2 and ids[2].item() == V - 1 and margins[1].item() == 0
+    again = am.pick_batch(logits, fallback=None)  # the count is back at zero: a second launch merges the same
+    assert torch.equal(again[0], ids) and torch.equal(again[1].nan_to_num(), margins.nan_to_num())
 
 
-def test_argmax_rejects_fall_back(gen):
+def test_pick_rejects_fall_back(gen):
     x = fresh(3, 50, dtype=torch.float32, gen=gen)
-    assert "dtype" in am.argmax_reason(x.double())
-    assert torch.equal(am.argmax_batch(x.double()), torch.argmax(x.double(), -1))
+    fallback = lambda: "fallback"  # noqa: E731
+    assert "dtype" in am.pick_reason(x.double()) and am.pick_batch(x.double(), fallback) == "fallback"
     xt = fresh(50, 3, dtype=torch.float32, gen=gen).t()
-    assert "contiguous" in am.argmax_reason(xt)
-    assert torch.equal(am.argmax_batch(xt), torch.argmax(xt, -1))
-    assert "non-empty" in am.argmax_reason(x[0])
+    assert "contiguous" in am.pick_reason(xt) and am.pick_batch(xt, fallback) == "fallback"
+    assert "non-empty" in am.pick_reason(x[0])
+    assert "V outside" in am.pick_reason(x[:, :1]) and "rows" in am.pick_reason(fresh(am.MAX_ROWS + 1, 50, gen=gen))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
@@ -154,7 +169,8 @@ def test_cuda_graph_replay_is_bitwise(gen):
     logits = fresh(8, 102400, dtype=torch.bfloat16, gen=gen)
 
     def step():
-        return (*gemv.gemv_fused(x, w, sizes, dts), gemv.gemm_per_token(xs, wb), am.argmax_batch(logits))
+        return (*gemv.gemv_fused(x, w, sizes, dts), gemv.gemm_per_token(xs, wb),
+                *am.pick_batch(logits, fallback=None))
 
     graph, outs = capture(step)  # warmed up on a side stream, then captured
     for _ in range(3):  # fresh inputs into the captured buffers, replay, compare with eager

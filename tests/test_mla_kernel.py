@@ -251,6 +251,37 @@ def test_kernels_reproduce_the_einsum_attention_of_a_tiny_model(q_lora_rank):
     torch.testing.assert_close(ours.pe, theirs.pe, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", BATCHES)
+def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, gen):
+    """mla_decode (the cache write riding with the first attention launch) against mla_cache_write then
+    mla_attention: the same arithmetic, so the same bits in the output, the caches and q; and where the kernels do not
+    admit the inputs (a latent wider than they hold), the same torch path as the two calls."""
+    S = SHAPE
+    q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(B, dtype, gen)
+    kv_a = rand(gen, B, S["R"] + S["DR"], dtype=dtype, scale=3.0)
+    norm_w, inv_freq = (rand(gen, S["R"], scale=0.5) + 1).to(dtype), inv_freq_of(S["DR"])
+
+    def run(fused):
+        t = [x.clone() for x in (q, cache_kv, cache_pe)]
+        if fused:
+            out = mla.mla_decode(t[0], kv_a, norm_w, 1e-6, inv_freq, 1.13, w_kv, t[1], t[2], LAYER, pos, scale)
+        else:
+            mla.mla_cache_write(t[0], kv_a, norm_w, 1e-6, inv_freq, 1.13, pos, t[1], t[2], LAYER)
+            out = mla.mla_attention(t[0], w_kv, t[1], t[2], LAYER, pos, scale)
+        return [out, *t]
+
+    apart = run(False)
+    assert not torch.equal(apart[1], q)  # the rope part turned
+    for mine, theirs in zip(run(True), apart):
+        assert torch.equal(mine, theirs)
+    assert_attention_close(apart[0], reference(apart[1], w_kv, apart[2], apart[3], pos, scale), dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla, "MAX_R", S["R"] - 1)
+        for mine, theirs in zip(run(True), apart):
+            torch.testing.assert_close(mine, theirs, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 # ---- fallbacks and errors ----------------------------------------------------------------------------------------
 
 def test_inadmissible_inputs_take_the_torch_path(gen, monkeypatch):

@@ -13,6 +13,7 @@ name), tokens compared. The pipeline's bench stage makes the figures of record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import statistics
@@ -54,18 +55,41 @@ def build(layers: int, ep=None) -> Transformer:
 def tpot(model, batch: int, tokens: int, prompt: list[int]) -> tuple[float, list[int]]:
     marks = []
 
-    def mark(*_):
+    @contextlib.contextmanager
+    def mark(*_):  # generate's around: each step's end on the device
+        yield
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         marks.append(e)
 
     with torch.inference_mode():
-        generate(model, [prompt] * batch, tokens, progress=mark)  # warm-up (and graph capture)
+        generate(model, [prompt] * batch, tokens, around=mark)  # warm-up (and graph capture)
         marks.clear()
-        gen = generate(model, [prompt] * batch, tokens, progress=mark)
+        gen = generate(model, [prompt] * batch, tokens, around=mark)
     torch.cuda.synchronize()
     steps = [a.elapsed_time(b) for a, b in zip(marks[1:], marks[2:])]
+    if model.graph_decode is not None and model.graph_decode.graphs:
+        replay[batch] = replay_ms(model.graph_decode, batch, len(prompt), tokens - 2)
     return statistics.median(steps), gen.tokens[0]
+
+
+replay: dict[int, float] = {}  # batch -> the captured step replayed back to back (the GPU's time alone), ms
+
+
+def replay_ms(dec, batch: int, start: int, n: int) -> float:
+    """Median ms of the last captured graph of ``batch`` rows replayed back to back, no host work between: the
+    step's own time on the device, against which TPOT shows the host's share."""
+    cache, widths = next(v for v in dec.caches.values() if batch in v[1])
+    graph = widths[batch]["graph"]
+    with torch.inference_mode():  # the cache was made in it
+        cache.lengths.fill_(start)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    events[0].record()
+    for e in events[1:]:
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
 
 def expert_parallel(a, prompt: list[int]) -> None:
@@ -146,7 +170,8 @@ def main() -> None:
             model.graph_decode = dec
             t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
             same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
-            rows.append((label, batch, t_torch, t_graph, "all" if same is None else f"first {same}"))
+            rows.append((label, batch, t_torch, t_graph, replay.pop(batch, float("nan")),
+                         "all" if same is None else f"first {same}"))
         for mod, const, value in undo:
             setattr(mod, const, value)
 
@@ -167,10 +192,10 @@ def main() -> None:
             events = [e for e in prof.events() if e.device_type.name == "CUDA"]
             print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    print(f"\n{'variant':>34} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'tok/s graph':>12}  "
-          "tokens equal")
-    for proj, batch, t0, t1, same in rows:
-        print(f"{proj:>34} {batch:5d} {t0:14.3f} {t1:14.3f} {batch * 1e3 / t1:12.0f}  {same}")
+    print(f"\n{'variant':>34} {'batch':>5} {'torch TPOT ms':>14} {'graph TPOT ms':>14} {'replay ms':>10} "
+          f"{'tok/s graph':>12}  tokens equal")
+    for proj, batch, t0, t1, t_replay, same in rows:
+        print(f"{proj:>34} {batch:5d} {t0:14.3f} {t1:14.3f} {t_replay:10.3f} {batch * 1e3 / t1:12.0f}  {same}")
     print(json.dumps({"layers": a.layers, "rows": rows}))
 
 

@@ -2,7 +2,8 @@
 
 For each B: warm-up runs, then `bench.repeats` measured runs of exactly `bench.new_tokens` new tokens a row (EOS
 ignored). Marks after the prefill and after every batched decode step give TTFT, the first decode step and the
-steady TPOT samples. On a GPU the marks are CUDA events. Bad samples fail closed. Two prompt contracts
+steady TPOT samples. On a GPU the marks are CUDA events, recorded behind each step's work (the engine launches a step
+before the last one's tokens reach the host: a step's end is its end on the device). Bad samples fail closed. Two prompt contracts
 (workflow.runs): same-prompt, one fixed prompt (`bench.prompt`) copied to B rows, whose rows must be identical
 before any figure is written; and, where the campaign gives `bench.prompts`, distinct-prompts beside it (cells
 `<backend>-distinct-b<B>`), row r the prompt prompts[r] (lengths may differ), each row checked against its prompt
@@ -20,6 +21,7 @@ experts a MoE layer, over the copy bandwidth measured here once) against its ste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import statistics
@@ -53,6 +55,13 @@ class Marks:
             self.marks.append(e)
         else:
             self.marks.append(time.perf_counter())
+
+    @contextlib.contextmanager
+    def around(self, step: int, total: int):
+        """generate's hook: each step's work is enqueued inside it, so a mark on exit is the step's end on the device
+        (the host hears of its tokens later, while the next step runs)."""
+        yield
+        self.mark()
 
     def intervals_ms(self) -> list[float]:
         if self.cuda:
@@ -92,13 +101,16 @@ def measure(s: Session, rows: list[list[int]], new_tokens: int, same: bool) -> t
     """One timed run of `rows` (the prompt ids of each row): its marks, and what every row generated."""
     batch = len(rows)
     marks = Marks(s.device)
-    decode = functools.partial(hf_generate, **HF_PATHS[s.backend][1]) if s.backend in HF_PATHS else generate
+    if s.backend in HF_PATHS:
+        decode = functools.partial(hf_generate, progress=marks.mark, **HF_PATHS[s.backend][1])
+    else:
+        decode = functools.partial(generate, around=marks.around)
     gc.disable()  # as timeit does: a collector pause inside a step is not the engine's time
     try:
         with torch.inference_mode():
             start = time.perf_counter()
             marks.mark()
-            gen = decode(s.model, rows, new_tokens, eos_token_id=None, progress=marks.mark)
+            gen = decode(s.model, rows, new_tokens, eos_token_id=None)
             if marks.cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
