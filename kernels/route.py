@@ -288,6 +288,15 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 
 # ---- launches -----------------------------------------------------------------------------------------------
 
+def _plan(B: int, D: int, E: int, add_norm: bool) -> tuple[int, int, bool]:
+    """(warps of the logits launch, warps of a selection, whether the logits launch selects): it does up to
+    ONE_LAUNCH_ROWS rows where the two warps agree, so that a row's routes never depend on the batch (the warps shape
+    the softmax's sum)."""
+    warps = 4 if add_norm and triton.next_power_of_2(D) > ROW_IN_ONE_WARP else LOGITS_WARPS
+    select_warps = 1 if triton.next_power_of_2(E) <= 256 else 4
+    return warps, select_warps, B <= ONE_LAUNCH_ROWS and warps == select_warps
+
+
 def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
             counter, norm=None):
     """One launch (two above ONE_LAUNCH_ROWS rows) -> (ids, weights); ``norm`` (h, delta, norm_weight, eps, h_out): x
@@ -305,8 +314,7 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
     if kind == 0 or topk_group == n_group:
         n_group = topk_group = 1  # no group is dropped: the group code is not compiled in
     h, delta, norm_weight, eps, h_out = norm or (x, x, x, 0.0, x)  # unread without ADD_NORM
-    block_row = triton.next_power_of_2(D)
-    one = B <= ONE_LAUNCH_ROWS
+    warps, select_warps, one = _plan(B, D, E, norm is not None)
     flags = pdl.flags(x.device)
     select = dict(NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,
                   N_GROUP=n_group, TOPK_GROUP=topk_group, GROUPS=triton.next_power_of_2(n_group), E_PAD=e_pad,
@@ -314,11 +322,11 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
     lookup = ids if remap is None else remap, bias if kind == 2 else part
     _route_kernel[(triton.cdiv(E, block_e), n_split)](
         x, gate_weight, part, counter, *lookup, ids, weights, float(scaling), h, delta, norm_weight, h_out, float(eps),
-        B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one, BLOCK_ROW=block_row,
-        num_warps=LOGITS_WARPS if block_row <= ROW_IN_ONE_WARP else 4, **select, **flags)
+        B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one,
+        BLOCK_ROW=triton.next_power_of_2(D), num_warps=warps, **select, **flags)
     if not one:
-        _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select,
-                             num_warps=1 if e_pad <= 256 else 4, **flags)
+        _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select, num_warps=select_warps,
+                             **flags)
     return ids, weights
 
 
@@ -340,13 +348,14 @@ def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
                    gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
                    remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    bias: torch.Tensor | None = None, counter: torch.Tensor | None = None):
-    """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights), in one
-    launch: (h', x, ids, weights)."""
+    """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights): (h', x,
+    ids, weights), in one launch where ``_plan`` allows (batch 1), else as those two calls."""
     if delta.shape != h.shape:
         raise ValueError(f"h {tuple(h.shape)} and delta {tuple(delta.shape)} differ in shape")
     if norm.norm_reason(h, norm_weight) or dtype_reason("delta", delta.dtype) or device_reason(h, delta) \
-            or not delta.is_contiguous() or h.shape[0] > ONE_LAUNCH_ROWS \
-            or route_reason(h, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias):
+            or not delta.is_contiguous() \
+            or route_reason(h, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias) \
+            or not _plan(*h.shape, gate_weight.shape[0], True)[2]:
         h, x = norm.add_rms_norm(h, delta, norm_weight, eps)
         return h, x, *route(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
                             topk_group, bias, counter)
