@@ -7,7 +7,7 @@ row of -inf. margins are the largest logit less the second largest (a repeated m
 their block's best, its first index and the runner-up; the last program to finish (an atomic count, back at zero
 after) merges each row's blocks in ascending order, so the answer never depends on scheduling. Inputs it does not
 admit (``pick_reason``) get ``fallback()``: the engine's torch pick. The decode loop's pick: on an H200 torch's float
-copy, argmax and topk took 0.19 ms a step at V = 102,400 (engine/DECODE.md).
+copy, argmax and topk took 0.128 ms at batch 1 and V = 102,400, this kernel 8.6 µs (kernels/KERNELS.md).
 """
 from __future__ import annotations
 
