@@ -114,7 +114,7 @@ def _decode(model: Transformer, cache: LatentCache, tokens: torch.Tensor, rows: 
 class Launched:
     """A decode step on its way: its rows' picks coming back to the host (``Rows.launch``, ``Rows.finish``)."""
     slots: list[int]
-    joined: list[int]  # each slot's join count at the launch: a row that left since (and any row after it) is not fed
+    joined: list[int]  # each slot's join count at the launch: the pick of a row that has left since is dropped
     ids: torch.Tensor  # [len(slots)] on the host once ``done`` has passed
     margins: torch.Tensor
     done: torch.cuda.Event | None  # None on the CPU, where the copies are done on return

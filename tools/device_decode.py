@@ -5,7 +5,8 @@ random bf16 weights built on the GPU, the torch path against the graph path (sam
         [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"]
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
-Prints: tokens agreement, TPOT p50 per path and batch (CUDA events around each step), and with --profile
+Prints: tokens agreement, TPOT p50 per path and batch (a CUDA event at each step's end), the captured step replayed
+back to back (the device's time alone: TPOT less that is the host's share), and with --profile
 the eager step's top kernels (torch.profiler). With --ep: the graph step on rank 0's GPU alone, then over the
 ranks (each holding its shard of the same weights: every parameter is drawn from a generator seeded by its
 name), tokens compared. The pipeline's bench stage makes the figures of record.
