@@ -47,6 +47,7 @@ def _pick_kernel(logits, part, count, ids, margins, stride, B: tl.constexpr, V: 
     tl.store(out, best)
     tl.store(out + 1, second)
     tl.store(out + 2, first.to(tl.float32))  # exact: V < 2**24
+    tl.debug_barrier()  # every thread's stores before the count's release (as route.py's count)
     if tl.atomic_add(count, 1, sem="acq_rel") == B * NB - 1:
         b = tl.arange(0, NB_PAD)
         for r in range(B):

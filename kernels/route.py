@@ -168,7 +168,10 @@ def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, n
         else:
             xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
         tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
-    # acq_rel: this program's partials are visible before its count, and the last sees every other's
+    # every thread's partials stored (the barrier) before the count's release, and the last program's loads after its
+    # acquire: the pattern of CUDA's threadfence reduction
+    if SELECT:
+        tl.debug_barrier()
     if SELECT and tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
         for row in range(B):
             _select_row(part, remap, bias, ids, wts, B, row, scaling, N_SPLIT, E, K, S, NORM, REMAP, METHOD, N_GROUP,
