@@ -3,8 +3,9 @@
 The prompts are prefilled together (one forward of the batch, ragged prompts padded on the right; each row is a
 row of the cache with its own length), then all unfinished rows decode together, one batched forward per step
 (``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``). Each step is launched
-before the last one's tokens reach the host, its input the last one's picks on the device: the device does not wait
-for the host between steps (engine/DECODE.md measures what that wait cost).
+before the last one's tokens reach the host, its input the last one's picks on the device: on the graph path the
+device does not wait for the host between steps (engine/DECODE.md measures what that wait cost; the eager forward
+synchronises inside each step anyway).
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::
 
@@ -157,6 +158,8 @@ class Rows:
         """These slots as a device index, copied once per set of slots: a copy from pageable host memory would wait for
         the steps in flight."""
         key = tuple(slots)
+        if len(self._indices) > 256:  # a server's batch meets a few of its 2**slots sets
+            self._indices.clear()
         if key not in self._indices:
             index = torch.tensor(key, dtype=torch.long)
             self._indices[key] = (index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda"

@@ -40,7 +40,7 @@ SLICE_WARPS = 4  # the q_lat and output kernels
 NUM_WARPS = 8  # the attention core
 W_STAGES = 2  # pipeline stages (cp.async) of the W_UK loop
 L_STAGES = 3  # and of the position loop
-WRITE_WARPS = 4
+WRITE_WARPS = SLICE_WARPS  # mla_decode writes in the q-latent launch: the same warps, the same bits
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------

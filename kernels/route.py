@@ -1,5 +1,5 @@
 """route: the MoE router of the decode step (gate logits, scores, top-k, weights, shared slots) in one launch at
-batch 1, two above.
+batch 1 (where ``_plan`` allows: E <= 256), two above.
 
 The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) against gate_weight [E, D]
 (E <= MAX_E), fp16/bf16/fp32. Returns ids [B, top_k + shared] int64 and weights fp32: the top_k experts in
@@ -12,8 +12,8 @@ shapes raise ValueError. The kernel routes all three ways (``method``): greedy t
 score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a correction bias for the choice,
 groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
 the lowest index. ``add_norm_route`` also makes x itself, from the residual add and RMSNorm before the router
-(kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1: the decode step's post-attention
-norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to finish (an atomic
+(kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1 (D <= 4096 too): the decode step's
+post-attention norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to finish (an atomic
 count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
@@ -293,8 +293,10 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 
 def _plan(B: int, D: int, E: int, add_norm: bool) -> tuple[int, int, bool]:
     """(warps of the logits launch, warps of a selection, whether the logits launch selects): it does up to
-    ONE_LAUNCH_ROWS rows where the two warps agree, so that a row's routes never depend on the batch (the warps shape
-    the softmax's sum)."""
+    ONE_LAUNCH_ROWS rows where the two warps agree (E <= 256; with the norm, D <= ROW_IN_ONE_WARP too), so that a
+    row's routes from a given x never depend on the batch (the warps shape the softmax's sum). add_norm_route's x
+    itself does: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step apart at most
+    (as the graph step's projections already differ between batch 1 and above, kernels/skinny.py)."""
     warps = 4 if add_norm and triton.next_power_of_2(D) > ROW_IN_ONE_WARP else LOGITS_WARPS
     select_warps = 1 if triton.next_power_of_2(E) <= 256 else 4
     return warps, select_warps, B <= ONE_LAUNCH_ROWS and warps == select_warps

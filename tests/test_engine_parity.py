@@ -29,7 +29,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
 
 from engine.checkpoint import CheckpointError, load_model  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
-from engine.generate import Generation, forced, generate  # noqa: E402
+from engine.generate import Generation, Rows, forced, generate  # noqa: E402
 from engine.model import LatentCache, MoE, Transformer, rope_inv_freq  # noqa: E402
 
 TOL = 1e-4
@@ -355,6 +355,38 @@ def test_launched_steps_decode_as_steps_one_at_a_time(batch_model):
         assert row == free[r][:len(row)]
     assert progress == progress_waited == steps_waited == list(range(1, 11))
     assert steps == list(range(1, 12))  # one step launched past the last token, and dropped
+
+
+def test_a_pick_launched_for_a_row_that_left_never_reaches_the_row_that_took_its_slot(batch_model):
+    """Rows.launch twice before finish: the first step's picks end row b, row c joins b's slot, and the second step
+    (launched while b was live) still carries b's pick for that slot: finish drops it. Rows a and c then decode as
+    each does alone."""
+    _, eng = batch_model
+    a, b, c = PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3]
+    want = {0: generate(eng, [a], 8).tokens[0], 1: generate(eng, [c], 8).tokens[0]}
+    got = {0: [], 1: []}
+
+    def take(s, t, m):
+        got[s].append(t)
+        return len(got[s]) >= 8
+
+    with torch.inference_mode():
+        rows = Rows(eng, 2, 32)
+        slots, logits = rows.join([a, b])
+        rows.advance(slots, torch.stack([t[-1] for t in logits]), take)
+        first, second = rows.launch(), rows.launch()
+        assert rows.finish(first, lambda s, t, m: take(s, t, m) or s == 1) == 2  # b leaves after its 2nd token
+        got[1] = []
+        slots, logits = rows.join([c])
+        assert slots == [1]
+        rows.advance(slots, logits[0][-1:], take)
+        assert rows.finish(second, take) == 1  # a's pick; b's is dropped, not handed to c
+        pending = rows.launch()
+        while rows.free() < 2:
+            launched = rows.launch()
+            rows.finish(pending, take)
+            pending = launched
+    assert got == want
 
 
 def test_progress_and_generate_errors(batch_model):

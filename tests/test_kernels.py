@@ -138,7 +138,9 @@ def test_pick_batch_matches_torch_with_ties(dtype, V, gen):
     logits[4] = float("-inf")
     logits[5, 1] = top  # a single maximum: a margin above 0
     assert am.pick_reason(logits) is None
-    ids, margins = am.pick_batch(logits, fallback=None)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    ids, margins = am.pick_batch(logits, fallback=None, counter=counter)
+    assert counter.item() == 0  # put back by the program that merged
     assert ids.dtype == torch.int64 and margins.dtype == torch.float32
     want_ids, want_margins = torch_pick(logits)
     assert torch.equal(ids, want_ids), ids.tolist()
@@ -147,8 +149,10 @@ def test_pick_batch_matches_torch_with_ties(dtype, V, gen):
     assert margins[0].item() == 0 and margins[5].item() > 0
     if V > 3:
         assert ids[1].item() == 2 and ids[2].item() == V - 1 and margins[1].item() == 0
-    again = am.pick_batch(logits, fallback=None)  # the count is back at zero: a second launch merges the same
-    assert torch.equal(again[0], ids) and torch.equal(again[1].nan_to_num(), margins.nan_to_num())
+    ids.fill_(-1)
+    again = am.pick_batch(logits, fallback=None, counter=counter)  # through the same count: a second launch merges
+    assert torch.equal(again[0], want_ids) and torch.equal(again[1].nan_to_num(), margins.nan_to_num())
+    assert counter.item() == 0
 
 
 def test_pick_rejects_fall_back(gen):
@@ -167,10 +171,11 @@ def test_cuda_graph_replay_is_bitwise(gen):
     x, w = fresh(FUSED_K, gen=gen), fresh(sum(sizes), FUSED_K, gen=gen)
     xs, wb = fresh(8, 2048, gen=gen), fresh(2112, 2048, gen=gen)
     logits = fresh(8, 102400, dtype=torch.bfloat16, gen=gen)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)  # outside the capture: each replay must put it back
 
     def step():
         return (*gemv.gemv_fused(x, w, sizes, dts), gemv.gemm_per_token(xs, wb),
-                *am.pick_batch(logits, fallback=None))
+                *am.pick_batch(logits, fallback=None, counter=counter))
 
     graph, outs = capture(step)  # warmed up on a side stream, then captured
     for _ in range(3):  # fresh inputs into the captured buffers, replay, compare with eager
