@@ -13,8 +13,8 @@ score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a
 groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
 the lowest index. ``add_norm_route`` also makes x itself, from the residual add and RMSNorm before the router
 (kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1 (D <= 4096 too): the decode step's
-post-attention norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to finish (an atomic
-count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
+post-attention norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to
+finish (an atomic count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
@@ -147,8 +147,7 @@ def _add_norm_slice(h, delta, norm_w, h_out, x_out, eps, b, ds, dlive, first, D:
 def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, norm_w, h_out, eps,
                   B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                   ADD_NORM: tl.constexpr, SELECT: tl.constexpr, BLOCK_ROW: tl.constexpr, N_SPLIT: tl.constexpr,
-                  K: tl.constexpr,
-                  S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
+                  K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, E_PAD: tl.constexpr,
                   SLOTS: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i and
