@@ -185,11 +185,25 @@ class Rows:
     def advance(self, slots: list[int], logits: torch.Tensor, take: Callable[[int, int, float], bool]) -> None:
         """Greedy picks from these slots' logits [len(slots), vocab], each the input of its slot's next step and
         handed to ``take(slot, token, top1 - top2 margin)``, which says whether its row ends there (it leaves)."""
+        ids, margins = self._pick(slots, logits)
+        self._hand(slots, [self.joined[s] for s in slots], ids.tolist(), margins.tolist(), take)
+
+    def _pick(self, slots: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy picks of these slots (ids, margins on the device), written as their next inputs."""
         ids, margins = _picks(logits, self.model.pick_kernel, self.counter)
         self.inputs[self._index(slots)] = ids
-        for s, t, m in zip(slots, ids.tolist(), margins.tolist()):
-            if take(s, t, m):
-                self.leave(s)
+        return ids, margins
+
+    def _hand(self, slots, joined, ids, margins, take) -> int:
+        """Each pick to ``take`` if its slot still holds the row it was picked for (a row that leaves, leaves) -> how
+        many were handed."""
+        handed = 0
+        for s, j, t, m in zip(slots, joined, ids, margins):
+            if self.live[s] and self.joined[s] == j:
+                handed += 1
+                if take(s, t, m):
+                    self.leave(s)
+        return handed
 
     def leave(self, slot: int) -> None:
         self.live[slot] = False
@@ -204,8 +218,7 @@ class Rows:
     def launch(self) -> Launched:
         """One batched decode step whose picks feed the next step on the device; ``finish`` hands them over."""
         live, logits = self.step()
-        ids, margins = _picks(logits, self.model.pick_kernel, self.counter)
-        self.inputs[self._index(live)] = ids
+        ids, margins = self._pick(live, logits)
         cuda = self.device.type == "cuda"
         out = Launched(live, [self.joined[s] for s in live], ids.to("cpu", non_blocking=cuda),
                        margins.to("cpu", non_blocking=cuda), torch.cuda.Event() if cuda else None)
@@ -218,13 +231,7 @@ class Rows:
         slot -> how many were handed."""
         if step.done is not None:
             step.done.synchronize()
-        handed = 0
-        for s, j, t, m in zip(step.slots, step.joined, step.ids.tolist(), step.margins.tolist()):
-            if self.live[s] and self.joined[s] == j:
-                handed += 1
-                if take(s, t, m):
-                    self.leave(s)
-        return handed
+        return self._hand(step.slots, step.joined, step.ids.tolist(), step.margins.tolist(), take)
 
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],

@@ -24,10 +24,10 @@ measures). Every unfinished row advances in one batched step; each stops at its 
 and is answered then; a row whose client has gone ends at its next token. A row arriving while a batch decodes
 (``--join``):
 - ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
-- ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has
-  a free slot (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache then holds
-  ``--cache-len`` positions a row, or what its first rows need if more; under ``batch``, what its rows need); else it waits for the next batch, and so do
-  the rows that arrived after it (none passes it over). The rows decoding meanwhile wait for its prefill; rows waiting
+- ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has a free slot
+  (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache then holds
+  ``--cache-len`` positions a row, or what its first rows need if more; under ``batch``, what its rows need); else it
+  waits for the next batch, and so do the rows that arrived after it (none passes it over). The rows decoding meanwhile wait for its prefill; rows waiting
   together are prefilled together.
 engine/DECODE.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
 (the CPU's tiny model), not where it costs hundreds (the H200's graph step beside its eager prefill).

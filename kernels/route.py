@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import norm, pdl
+from . import _count, norm, pdl
 from ._admit import device_reason, dtype_reason
 
 MAX_B = 16  # rows a call (moe.MAX_B: the routed experts' kernel takes the same batches)
@@ -56,8 +56,8 @@ def _select_row(part, remap, bias, ids, wts, B: tl.constexpr, b, scaling, N_SPLI
     e = tl.arange(0, BLOCK_E)
     live = e < E
     logits = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch; the partials are other
-        # programs' writes, read past the L1 cache
+    for j in tl.static_range(N_SPLIT):  # ascending splits: the same sum whatever the batch; other programs' partials
+        # (kernels/_count.py)
         logits += tl.load(part + (j * B + b) * E + e, mask=live, other=0.0, cache_modifier=".cg")
     logits = tl.where(live, logits, float("-inf"))
     if METHOD == 2:  # noaux_tc: sigmoid scores; the bias steers the choice only
@@ -167,15 +167,12 @@ def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, n
         else:
             xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
         tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
-    # every thread's partials stored (the barrier) before the count's release, and the last program's loads after its
-    # acquire: the pattern of CUDA's threadfence reduction
     if SELECT:
-        tl.debug_barrier()
-    if SELECT and tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
-        for row in range(B):
-            _select_row(part, remap, bias, ids, wts, B, row, scaling, N_SPLIT, E, K, S, NORM, REMAP, METHOD, N_GROUP,
-                        TOPK_GROUP, GROUPS, E_PAD, SLOTS)
-        tl.atomic_xchg(count, 0)
+        if _count.last_to_arrive(count, tl.num_programs(0) * tl.num_programs(1)):
+            for row in range(B):
+                _select_row(part, remap, bias, ids, wts, B, row, scaling, N_SPLIT, E, K, S, NORM, REMAP, METHOD,
+                            N_GROUP, TOPK_GROUP, GROUPS, E_PAD, SLOTS)
+            _count.reset(count)
 
 
 @triton.jit

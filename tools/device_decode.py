@@ -69,12 +69,7 @@ def tpot(model, batch: int, tokens: int, prompt: list[int]) -> tuple[float, list
         gen = generate(model, [prompt] * batch, tokens, around=mark)
     torch.cuda.synchronize()
     steps = [a.elapsed_time(b) for a, b in zip(marks[1:], marks[2:])]
-    if model.graph_decode is not None and model.graph_decode.graphs:
-        replay[batch] = replay_ms(model.graph_decode, batch, len(prompt), tokens - 2)
     return statistics.median(steps), gen.tokens[0]
-
-
-replay: dict[int, float] = {}  # batch -> the captured step replayed back to back (the GPU's time alone), ms
 
 
 def replay_ms(dec, batch: int, start: int, n: int) -> float:
@@ -170,8 +165,9 @@ def main() -> None:
             t_torch, tok_torch = torch_path[batch]
             model.graph_decode = dec
             t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
+            t_replay = replay_ms(dec, batch, len(prompt), a.tokens - 2) if dec.graphs else float("nan")
             same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
-            rows.append((label, batch, t_torch, t_graph, replay.pop(batch, float("nan")),
+            rows.append((label, batch, t_torch, t_graph, t_replay,
                          "all" if same is None else f"first {same}"))
         for mod, const, value in undo:
             setattr(mod, const, value)

@@ -6,9 +6,9 @@
 Starts the builtin engine's server once per policy (the campaign's device, dtype and decode path, bench.kernels) and
 sends rounds of C streaming requests (the campaign's bench.prompts, one each, else bench.prompt), request r sent
 r * gap ms after the first, so that later ones arrive while the first decode; each asks bench.new_tokens tokens.
-bench.warmup rounds (at least 2), then bench.repeats measured ones. The gap defaults to one request's time alone over C, measured
-on the first server: the arrivals spread over about one batch's decode. Prints, per policy, vLLM's client metrics
-(workflow.benchstats.summarize_http: TTFT, TPOT, ITL, E2E) and each arrival's mean TTFT.
+bench.warmup rounds (at least 2), then bench.repeats measured ones. The gap defaults to one request's time alone over
+C, measured on the first server: the arrivals spread over about one batch's decode. Prints, per policy, vLLM's client
+metrics (workflow.benchstats.summarize_http: TTFT, TPOT, ITL, E2E) and each arrival's mean TTFT.
 """
 
 from __future__ import annotations
