@@ -78,12 +78,13 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         w13, w2 = rand(e, 2 * inter, d), rand(e, d, inter)
         for b in (1, 8):
             ids = torch.stack([torch.randperm(e, generator=g, device=device)[:top] for _ in range(b)])
-            route = moe._route(ids)
+            route = moe.route(ids)  # as the step launches them: at batch 1 none, the pairs in their own order
             h = torch.empty(b, top, inter, dtype=dtype, device=device)
-            rows.append(resources("experts_gate_up", moe._launch(rand(b, d), w13, h, route, top, True, limit=limit),
+            rows.append(resources("experts_gate_up", moe._launch(rand(b, d), w13, h, route, top, True, ids, limit),
                                   K=d, B=b, dtype=name, **({"limit": limit} if limit else {})))
             y = torch.empty(b, top, d, dtype=torch.float32, device=device)
-            rows.append(resources("experts_down", moe._launch(h, w2, y, route, top, False), K=inter, B=b, dtype=name))
+            rows.append(resources("experts_down", moe._launch(h, w2, y, route, top, False, ids), K=inter, B=b,
+                                  dtype=name))
     if hc is not None:
         n, iters = hc
         w = (2 + n) * n

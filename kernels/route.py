@@ -1,5 +1,5 @@
 """route: the MoE router of the decode step (gate logits, scores, top-k, weights, shared slots) in one launch at
-batch 1 (where ``_plan`` allows: E <= 256), two above.
+batch 1, two above.
 
 The maths of the engine's ``MoE.route`` in fp32, for x [B, D] (B <= MAX_B) against gate_weight [E, D]
 (E <= MAX_E), fp16/bf16/fp32. Returns ids [B, top_k + shared] int64 and weights fp32: the top_k experts in
@@ -12,7 +12,7 @@ shapes raise ValueError. The kernel routes all three ways (``method``): greedy t
 score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a correction bias for the choice,
 groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
 the lowest index. ``add_norm_route`` also makes x itself, from the residual add and RMSNorm before the router
-(kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1 (D <= 4096 too): the decode step's
+(kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1: the decode step's
 post-attention norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to
 finish (an atomic count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
@@ -47,6 +47,18 @@ ONE_LAUNCH_ROWS = 1
 
 
 @triton.jit
+def _sum_units(v):
+    """The sum of v's lanes, each in [0, 1] (or NaN: then NaN), with the same bits in any order: added exactly as
+    integers of 2^-52 (1024 lanes of at most 1 stay under 2^62), then rounded once, within 2^-42 of the true sum.
+    A float sum's order follows the lanes' layout, which Triton picks per kernel, and the selection runs inside two
+    kernels (the logits launch at batch 1, its own above): a row's routes must not depend on which (H200: the
+    softmax's plain sum at D=5120, E=160 gave weights one rounding apart)."""
+    scale = 4503599627370496.0  # 2^52
+    total = tl.sum((v * scale).to(tl.int64), axis=0).to(tl.float32) / scale
+    return tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), total)
+
+
+@triton.jit
 def _select_row(part, remap, bias, ids, wts, B: tl.constexpr, b, scaling, N_SPLIT: tl.constexpr, E: tl.constexpr,
                 K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -65,7 +77,7 @@ def _select_row(part, remap, bias, ids, wts, B: tl.constexpr, b, scaling, N_SPLI
         choice = scores + tl.load(bias + e, mask=live, other=0.0)
     else:
         p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the padding lanes
-        scores = tl.math.div_rn(p, tl.zeros_like(p) + tl.sum(p, axis=0))
+        scores = tl.math.div_rn(p, tl.zeros_like(p) + _sum_units(p))
         choice = scores
     # NaN ranks first (as in a descending sort, and torch.topk): it counts as +inf, for groups and experts alike
     choice = tl.where(choice != choice, float("inf"), choice)
@@ -106,7 +118,7 @@ def _select_row(part, remap, bias, ids, wts, B: tl.constexpr, b, scaling, N_SPLI
         free = free & (e != at)
     routed = slot < K
     if NORM:
-        total = tl.sum(tl.where(routed, vals, 0.0), axis=0) + 1e-20
+        total = _sum_units(tl.where(routed, vals, 0.0)) + 1e-20
         weight = tl.math.div_rn(vals, tl.zeros_like(vals) + total)
         if METHOD == 2:  # noaux_tc scales the normalised weights too
             weight = weight * scaling
@@ -288,14 +300,13 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 # ---- launches -----------------------------------------------------------------------------------------------
 
 def _plan(B: int, D: int, E: int, add_norm: bool) -> tuple[int, int, bool]:
-    """(warps of the logits launch, warps of a selection, whether the logits launch selects): it does up to
-    ONE_LAUNCH_ROWS rows where the two warps agree (E <= 256; with the norm, D <= ROW_IN_ONE_WARP too), so that a
-    row's routes from a given x never depend on the batch (the warps shape the softmax's sum). add_norm_route's x
-    itself does: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step apart at most
-    (as the graph step's projections already differ between batch 1 and above, kernels/skinny.py)."""
+    """(warps of the logits launch, warps of a selection, whether the logits launch selects: up to ONE_LAUNCH_ROWS
+    rows). A row's routes from a given x are the same either way (the selection's sums are exact, _sum_units).
+    add_norm_route's x is not: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step
+    apart at most (as the graph step's projections already differ between batch 1 and above, kernels/skinny.py)."""
     warps = 4 if add_norm and triton.next_power_of_2(D) > ROW_IN_ONE_WARP else LOGITS_WARPS
     select_warps = 1 if triton.next_power_of_2(E) <= 256 else 4
-    return warps, select_warps, B <= ONE_LAUNCH_ROWS and warps == select_warps
+    return warps, select_warps, B <= ONE_LAUNCH_ROWS
 
 
 def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,

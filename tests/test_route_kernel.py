@@ -9,8 +9,11 @@ is three expert blocks, the last one partly masked; D=40 is one column split and
 The group routings at E=12 in groups of 3 and of 4. With a GPU, at DeepSeek-V2-Lite's shape (and V2's), plus
 CUDA-graph capture and replay; the group routings at DeepSeek-V3's, Moonlight's and V2's shapes.
 """
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import route as rt
 
@@ -433,6 +436,33 @@ def test_the_bias_steers_the_choice_not_the_weights(norm, gen):
     torch.testing.assert_close(wts[:, 0], own * SCALING, rtol=1e-5, atol=1e-6)
     assert_group_routes((ids, wts), group_reference(x, w, k, norm, SCALING, "noaux_tc", n_group, topk_group, bias),
                         k, norm, SCALING, "noaux_tc")
+
+
+@triton.jit
+def _sum_units_kernel(v, out, N: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out, rt._sum_units(tl.load(v + i, mask=i < N, other=0.0)))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # numpy, on NaN under the interpreter
+def test_selection_sums_do_not_depend_on_the_lanes_order(gen):
+    """The selection's sums (the softmax's, the picked scores') give the same bits whatever order the lanes come in
+    (Triton lays them out per kernel, and the selection runs in two kernels), within fp32 rounding of the true sum;
+    NaN stays NaN. A plain float sum of these orders differs (checked: the test can see an order-dependent sum)."""
+    v = torch.rand(160, generator=gen, device=DEV) ** 8  # many sizes, as a softmax's
+    v[7] = 1.0
+    sums, plain = set(), set()
+    out = torch.empty(1, device=DEV)
+    for _ in range(8):
+        lanes = v[torch.randperm(160, generator=gen, device=DEV)].contiguous()
+        _sum_units_kernel[(1,)](lanes, out, N=160, BLOCK=256)
+        sums.add(out.item())
+        plain.add(float(np.add.accumulate(lanes.cpu().numpy())[-1]))  # fp32, one lane after another
+    assert len(sums) == 1 and len(plain) > 1, (sums, plain)
+    assert abs(sums.pop() - v.double().sum().item()) <= 2**-23 * v.double().sum().item()
+    v[3] = float("nan")
+    _sum_units_kernel[(1,)](v, out, N=160, BLOCK=256)
+    assert out.isnan().all()
 
 
 @pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])

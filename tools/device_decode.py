@@ -14,6 +14,7 @@ name), tokens compared. The pipeline's bench stage makes the figures of record.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import json
@@ -158,7 +159,7 @@ def main() -> None:
             mod, const = name.rsplit(".", 1)
             mod = importlib.import_module(f"kernels.{mod}")
             undo.append((mod, const, getattr(mod, const)))
-            setattr(mod, const, type(getattr(mod, const))(value))
+            setattr(mod, const, type(getattr(mod, const))(ast.literal_eval(value)))  # "False" is not bool("False")
         dec = graph_decode.GraphDecode(model, projections)
         label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
         for batch in (1, 8):
