@@ -21,7 +21,9 @@ takes what arrives within ``--batch-window-ms`` of the first row, up to ``--max-
 (ragged prompts right-padded in one forward, the padding never read), each into its own cache row at its own
 position, so a row gets the tokens it gets alone (exactly in float32; in bf16 to rounding, which the bench's rows check
 measures). Every unfinished row advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string
-and is answered then; a row whose client has gone ends at its next token. A row arriving while a batch decodes
+and is answered then; a row whose client has gone ends at its next token. Each step is launched before the last one's
+tokens reach the host (``Rows.launch``), so the host's work on them (text, stop strings, events) overlaps the next
+step on the device; while a row asks for log-probs, the steps run one at a time (their logits come to the host). A row arriving while a batch decodes
 (``--join``):
 - ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
 - ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has a free slot
@@ -252,8 +254,19 @@ class Engine:
             rows = Rows(self.model, *((self.max_batch, max(self.cache_len, need)) if self.join == "step"
                                       else (len(batch), need)))
             self._start(rows, batch, live)
-            while live:
-                self._emit(rows, live, *rows.step())
+            pending = None  # the step launched last, its tokens not yet handed over
+            while live or pending:
+                # with log-probs a step's logits come to the host before its pick: one step at a time
+                ahead = bool(live) and not any(j.logprobs is not None for j in live.values())
+                launched = None
+                try:
+                    launched = rows.launch() if ahead else None
+                finally:  # step k's tokens while step k + 1 runs (its rows answered even if k + 1 failed to launch)
+                    if pending is not None:
+                        rows.finish(pending, self._take(live))  # a pick for a row that has ended is dropped
+                pending = launched
+                if live and not ahead:
+                    self._emit(rows, live, *rows.step())
                 if self.join == "step" and rows.free():
                     self._drain(waiting)
                     if joining := self._admit(waiting, rows.free(), lambda j: rows.has_room(j.ids, j.max_tokens)):
@@ -316,6 +329,10 @@ class Engine:
         if any(j.logprobs is not None for j in jobs):
             for j, row in zip(jobs, torch.log_softmax(logits.float(), -1)):
                 j.last = row
+        rows.advance(slots, logits, self._take(live))
+
+    def _take(self, live: dict[int, Job]) -> Callable[[int, int, float], bool]:
+        """Rows' ``take``: a slot's token to its row -> whether the row ends there (it leaves ``live``)."""
         def take(s: int, t: int, _margin: float) -> bool:
             j = live[s]
             j.tokens.append(t)
@@ -323,7 +340,7 @@ class Engine:
                 del live[s]
             return ended
 
-        rows.advance(slots, logits, take)
+        return take
 
     def _ends(self, job: Job, toks: list[int]) -> bool:
         """The row's last token is an EOS that ends it (not with ignore_eos)."""

@@ -237,6 +237,26 @@ def test_the_worker_decodes_concurrent_rows_in_one_batch(engine, alone, monkeypa
     assert [i for i, _, _ in events] == sorted(range(len(jobs)), key=lambda i: (len(jobs[i].tokens), i))
 
 
+def test_rows_with_and_without_log_probs_share_a_batch(engine, monkeypatch):
+    """While a row asks for log-probs, the batch steps one at a time (its logits reach the host before the pick);
+    after it ends, each step is launched before the last one's tokens reach the host, so the other row's slot is
+    stepped once more after its last token. Both rows get their tokens alone, and the first its own log-probs."""
+    model, tok = engine
+    batches = recording(monkeypatch)
+    eng = serve.Engine(model, tok, [], "tiny", max_batch=2, window_s=600)  # the batch closes at 2 rows
+    out = queue.Queue()
+    jobs = [serve.Job(0, tok.encode(PROMPTS[1]).ids, 4, [], 2, False, False, out.put),
+            serve.Job(1, tok.encode(PROMPTS[2]).ids, 12, [], None, False, False, out.put)]
+    eng.submit(jobs)
+    assert sorted(out.get(timeout=120)[:2] for _ in jobs) == [(0, "done"), (1, "done")]
+    batch, = settled(batches, 1)
+    assert batch.steps == [[0, 1]] * 3 + [[1]] * 9
+    assert [j.tokens for j in jobs] == [generate(model, [j.ids], j.max_tokens, []).tokens[0] for j in jobs]
+    want = completion_logprobs(model, jobs[0].ids, jobs[0].tokens)
+    assert [lp for _, lp, _ in jobs[0].entries] == pytest.approx(
+        [want[step, t].item() for step, t in enumerate(jobs[0].tokens)], abs=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": 0.7}, "temperature"),
     ({"max_tokens": -1}, "max_tokens"),
@@ -377,12 +397,12 @@ def recording(monkeypatch, before=None) -> list:
             self.steps.append(live)
             return live, logits
 
-        def advance(self, slots, logits, take):
+        def _hand(self, slots, joined, ids, margins, take):  # advance's and finish's: every token a row is handed
             def recorded(s, t, margin):
                 self.tokens[self.row[s]].append(t)
                 return take(s, t, margin)
 
-            super().advance(slots, logits, recorded)
+            return super()._hand(slots, joined, ids, margins, recorded)
 
         def leave(self, slot):
             super().leave(slot)
@@ -506,7 +526,8 @@ def test_a_cancelled_row_stops_while_its_batchmate_finishes(engine, monkeypatch)
     assert out.get(timeout=120)[:2] == (1, "done")
     batch, = settled(batches, 1)
     assert len(batch.tokens[0]) == 3 and out.empty()  # stopped at once, unanswered
-    assert sum(0 in live for live in batch.steps) == 2  # its slot stepped for tokens 2 and 3 only
+    # its slot stepped for tokens 2 and 3, and once more: the step launched before its third token reached the host
+    assert sum(0 in live for live in batch.steps) == 3
     assert batch.tokens[1] == jobs[1].tokens == generate(model, [jobs[1].ids], 24, []).tokens[0]
 
 
@@ -627,13 +648,15 @@ def test_a_row_arriving_mid_batch_joins_at_the_next_step_or_waits_for_the_next_b
     assert sorted(out.get(timeout=120)[:2] for _ in range(2)) == [(0, "done"), (1, "done")]
     assert [j.tokens for j in (first, late)] == [generate(model, [j.ids], j.max_tokens, []).tokens[0]
                                                  for j in (first, late)]
-    if join == "step":  # prefilled after the step of the first row's third token, then stepped beside it
+    # Each step is launched before the last one's tokens reach the host: a row's slot is stepped once more after its
+    # last token (dropped), and the late row joins after the step of the first row's fourth token was launched
+    if join == "step":  # prefilled then, and stepped beside the first from the next step on
         batch, = settled(batches, 1)
         assert batch.joins == [[first.ids], [late.ids]]
-        assert batch.steps == [[0]] * 2 + [[0, 1]] * 7 + [[0]] * 14
+        assert batch.steps == [[0]] * 3 + [[0, 1]] * 8 + [[0]] * 13
     else:
         assert [b.joins for b in settled(batches, 2)] == [[[first.ids]], [[late.ids]]]
-        assert batches[0].steps == [[0]] * 23 and batches[1].steps == [[0]] * 7
+        assert batches[0].steps == [[0]] * 24 and batches[1].steps == [[0]] * 8
 
 
 def test_a_row_that_does_not_fit_the_running_cache_waits_for_the_next_batch_and_is_not_passed_over(engine,
