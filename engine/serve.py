@@ -23,8 +23,8 @@ position, so a row gets the tokens it gets alone (exactly in float32; in bf16 to
 measures). Every unfinished row advances in one batched step; each stops at its own ``max_tokens``, EOS or stop string
 and is answered then; a row whose client has gone ends at its next token. Each step is launched before the last one's
 tokens reach the host (``Rows.launch``), so the host's work on them (text, stop strings, events) overlaps the next
-step on the device; while a row asks for log-probs, the steps run one at a time (their logits come to the host). A row arriving while a batch decodes
-(``--join``):
+step on the device; while a row asks for log-probs, the steps run one at a time (their logits come to the host). A
+row arriving while a batch decodes (``--join``):
 - ``batch`` (the default): waits for the next batch, which starts when the batch's last row ends.
 - ``step``: joins it at its next step, prefilled into a free slot between two steps, while the batch has a free slot
   (``--max-batch`` in all) and the cache room for its prompt and ``max_tokens`` (a batch's cache then holds

@@ -51,8 +51,7 @@ def _sum_units(v):
     """The sum of v's lanes, each in [0, 1] (or NaN: then NaN), with the same bits in any order: added exactly as
     integers of 2^-52 (1024 lanes of at most 1 stay under 2^62), then rounded once, within 2^-42 of the true sum.
     A float sum's order follows the lanes' layout, which Triton picks per kernel, and the selection runs inside two
-    kernels (the logits launch at batch 1, its own above): a row's routes must not depend on which (H200: the
-    softmax's plain sum at D=5120, E=160 gave weights one rounding apart)."""
+    kernels (the logits launch at batch 1, its own above): a row's routes must not depend on which (KERNELS.md)."""
     scale = 4503599627370496.0  # 2^52
     total = tl.sum((v * scale).to(tl.int64), axis=0).to(tl.float32) / scale
     return tl.where(tl.sum((v != v).to(tl.int32), axis=0) > 0, float("nan"), total)
