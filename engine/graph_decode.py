@@ -97,28 +97,37 @@ def _interleave_rope(model: Transformer) -> None:
 
 class CapturedStep:
     """A decode step of the first B rows of a cache, captured once per (rows, max_len) cache and B in a CUDA graph
-    and replayed (run eagerly without CUDA: ``graphs`` false). Subclasses set ``model``, ``graphs`` and ``caches = {}`` and
-    give ``_step(cache, tokens)``; ``generate`` asks for a cache and steps through it."""
+    and replayed (run eagerly without CUDA: ``graphs`` false); the ``MAX_CACHES`` caches used last are kept.
+    Subclasses set ``model``, ``graphs`` and ``caches = {}`` and give ``_step(cache, tokens)``; ``generate`` asks for a
+    cache and steps through it."""
 
     bucket = 1  # cache lengths rounded up to a multiple of it: fewer shapes to capture (and compile)
+    # Caches kept, with their graphs: a server's batches ask for a new (rows, length) almost every time, and each
+    # would otherwise hold its cache and graphs on the device for good; the least recently used goes first.
+    MAX_CACHES = 8
 
     def cache(self, rows: int, max_len: int):
         """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
-        addresses), emptied (``reset``)."""
-        key = (rows, -(-max_len // self.bucket) * self.bucket)
-        if key not in self.caches:  # the rounded length, which step() reads back from the cache
+        addresses), emptied (``reset``). Asking for it makes it the most recently used."""
+        key = (rows, -(-max_len // self.bucket) * self.bucket)  # the rounded length, which step() reads back
+        if key not in self.caches:
+            while len(self.caches) >= self.MAX_CACHES:
+                self._drop(next(iter(self.caches)))
             self.caches[key] = (self.model.new_cache(*key), {})
+        self.caches[key] = self.caches.pop(key)  # last in the dict's order: the most recently used
         cache = self.caches[key][0]
         cache.reset()
         return cache
 
+    def _drop(self, key) -> None:
+        for state in self.caches.pop(key)[1].values():
+            if "graph" in state:  # not where its capture failed
+                state["graph"].reset()
+
     def release(self) -> None:
         """Free the captured graphs (they hold NCCL work under expert parallelism) and the caches."""
-        for _, widths in self.caches.values():
-            for state in widths.values():
-                if "graph" in state:  # not where its capture failed
-                    state["graph"].reset()
-        self.caches.clear()
+        while self.caches:
+            self._drop(next(iter(self.caches)))
 
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per cache row of the first B) -> logits [B, vocab]; each of them advances one position."""

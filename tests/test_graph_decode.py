@@ -162,6 +162,25 @@ def test_graph_is_captured_once_per_shape_and_replayed(models):
     assert again.tokens == generate(fast, [PROMPT] * 2, N_NEW).tokens
 
 
+def test_the_path_keeps_a_bounded_number_of_caches_the_least_recently_used_going(models, monkeypatch):
+    """A server asks for a new (rows, length) almost every batch: the path keeps MAX_CACHES caches (with their graphs),
+    dropping the least recently used; a cache asked for again is the same one, and decodes as a fresh one."""
+    _, _, fast = models
+    dec = fast.graph_decode
+    monkeypatch.setattr(dec, "MAX_CACHES", 3)
+    monkeypatch.setattr(dec, "caches", {})  # the other tests' caches stay theirs
+    with torch.inference_mode():  # as generate makes them
+        first = dec.cache(1, 40)
+        for n in (41, 42):
+            dec.cache(1, n)
+        assert dec.cache(1, 40) is first  # now the most recently used: 41 goes next
+        for n in (43, 44):
+            dec.cache(1, n)
+    assert list(dec.caches) == [(1, 40), (1, 43), (1, 44)]
+    assert generate(fast, [PROMPT], N_NEW).tokens == generate(fast, [PROMPT], N_NEW).tokens
+    assert len(dec.caches) == 3
+
+
 def test_profile_captures_the_graph_step(models, monkeypatch):
     """bench.kernels: graph profiles the step the benchmark times, not the model's ordinary forward."""
     from workflow import profilers
