@@ -233,6 +233,23 @@ class Rows:
             step.done.synchronize()
         return self._hand(step.slots, step.joined, step.ids.tolist(), step.margins.tolist(), take)
 
+    def ahead(self, pending: Launched | None, take: Callable[[int, int, float], bool], launch: bool = True,
+              around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+              ) -> tuple[Launched | None, int]:
+        """The loop's turn: step k + 1 launched (if ``launch``, inside ``around()``), then step k's (``pending``'s)
+        picks handed to ``take`` while it runs, even if the launch failed (what step k made still reaches its rows) ->
+        (the launched step, how many of ``pending``'s picks were handed). A row that ends at step k has had step k + 1
+        run for it: its pick is dropped."""
+        launched, handed = None, 0
+        try:
+            if launch:
+                with around():
+                    launched = self.launch()
+        finally:
+            if pending is not None:
+                handed = self.finish(pending, take)
+        return launched, handed
+
 
 def forced(model: Transformer, prompts: list[list[int]], continuations: list[list[int]],
            observe: Callable[[torch.Tensor], None]) -> None:
@@ -319,19 +336,16 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
                 if progress is not None:
                     progress(step, max_new_tokens)
             return out
-        # step k + 1 is launched before step k's tokens reach the host: a row that ends at step k has had one step too
-        # many run, dropped (never past step max_new_tokens, so within its cache)
+        # step k + 1 is launched before step k's tokens reach the host (never past step max_new_tokens, so a row's
+        # step after its last token stays within its cache)
         pending = None
         for step in range(2, max_new_tokens + 2):
-            launched = None
-            if step <= max_new_tokens and rows.free() < B:
-                with around(step, max_new_tokens):
-                    launched = rows.launch()
-            if pending is not None and rows.finish(pending, take) and progress is not None:
+            pending, handed = rows.ahead(pending, take, step <= max_new_tokens and rows.free() < B,
+                                         lambda: around(step, max_new_tokens))
+            if handed and progress is not None:
                 progress(step - 1, max_new_tokens)
-            if launched is None:
+            if pending is None:
                 break
-            pending = launched
     return out
 
 

@@ -258,13 +258,7 @@ class Engine:
             while live or pending:
                 # with log-probs a step's logits come to the host before its pick: one step at a time
                 ahead = bool(live) and not any(j.logprobs is not None for j in live.values())
-                launched = None
-                try:
-                    launched = rows.launch() if ahead else None
-                finally:  # step k's tokens while step k + 1 runs (its rows answered even if k + 1 failed to launch)
-                    if pending is not None:
-                        rows.finish(pending, self._take(live))  # a pick for a row that has ended is dropped
-                pending = launched
+                pending, _ = rows.ahead(pending, self._take(live), ahead)
                 if live and not ahead:
                     self._emit(rows, live, *rows.step())
                 if self.join == "step" and rows.free():

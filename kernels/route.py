@@ -298,14 +298,10 @@ def route_reference(x, gate_weight, top_k: int, norm_topk_prob: bool, scaling: f
 
 # ---- launches -----------------------------------------------------------------------------------------------
 
-def _plan(B: int, D: int, E: int, add_norm: bool) -> tuple[int, int, bool]:
-    """(warps of the logits launch, warps of a selection, whether the logits launch selects: up to ONE_LAUNCH_ROWS
-    rows). A row's routes from a given x are the same either way (the selection's sums are exact, _sum_units).
-    add_norm_route's x is not: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step
-    apart at most (as the graph step's projections already differ between batch 1 and above, kernels/skinny.py)."""
+def _warps(D: int, E: int, add_norm: bool) -> tuple[int, int]:
+    """(warps of the logits launch, warps of a selection)."""
     warps = 4 if add_norm and triton.next_power_of_2(D) > ROW_IN_ONE_WARP else LOGITS_WARPS
-    select_warps = 1 if triton.next_power_of_2(E) <= 256 else 4
-    return warps, select_warps, B <= ONE_LAUNCH_ROWS
+    return warps, 1 if triton.next_power_of_2(E) <= 256 else 4
 
 
 def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
@@ -325,7 +321,11 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
     if kind == 0 or topk_group == n_group:
         n_group = topk_group = 1  # no group is dropped: the group code is not compiled in
     h, delta, norm_weight, eps, h_out = norm or (x, x, x, 0.0, x)  # unread without ADD_NORM
-    warps, select_warps, one = _plan(B, D, E, norm is not None)
+    warps, select_warps = _warps(D, E, norm is not None)
+    # A row's routes from a given x are the same either way (the selection's sums are exact, _sum_units).
+    # add_norm_route's x is not: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step
+    # apart at most (as the graph step's projections already differ between batch 1 and above, kernels/skinny.py).
+    one = B <= ONE_LAUNCH_ROWS
     flags = pdl.flags(x.device)
     select = dict(NORM=bool(norm_topk_prob) and (top_k > 1 or kind == 2), REMAP=remap is not None, METHOD=kind,
                   N_GROUP=n_group, TOPK_GROUP=topk_group, GROUPS=triton.next_power_of_2(n_group), E_PAD=e_pad,
@@ -360,13 +360,13 @@ def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
                    remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    bias: torch.Tensor | None = None, counter: torch.Tensor | None = None):
     """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights): (h', x,
-    ids, weights), in one launch where ``_plan`` allows (batch 1), else as those two calls."""
+    ids, weights), in one launch up to ONE_LAUNCH_ROWS rows, else as those two calls."""
     if delta.shape != h.shape:
         raise ValueError(f"h {tuple(h.shape)} and delta {tuple(delta.shape)} differ in shape")
     if norm.norm_reason(h, norm_weight) or dtype_reason("delta", delta.dtype) or device_reason(h, delta) \
             or not delta.is_contiguous() \
             or route_reason(h, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias) \
-            or not _plan(*h.shape, gate_weight.shape[0], True)[2]:
+            or h.shape[0] > ONE_LAUNCH_ROWS:
         h, x = norm.add_rms_norm(h, delta, norm_weight, eps)
         return h, x, *route(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
                             topk_group, bias, counter)

@@ -4,8 +4,8 @@ For each B: warm-up runs, then `bench.repeats` measured runs of exactly `bench.n
 ignored). Marks after the prefill and after every batched decode step give TTFT, the first decode step and the
 steady TPOT samples. On a GPU the marks are CUDA events, recorded behind each step's work (the engine launches a step
 before the last one's tokens reach the host: a step's end is its end on the device). Bad samples fail closed. Two
-prompt contracts (workflow.runs): same-prompt, one fixed prompt (`bench.prompt`) copied to B rows, whose rows must be identical
-before any figure is written; and, where the campaign gives `bench.prompts`, distinct-prompts beside it (cells
+prompt contracts (workflow.runs): same-prompt, one fixed prompt (`bench.prompt`) copied to B rows, whose rows must be
+identical before any figure is written; and, where the campaign gives `bench.prompts`, distinct-prompts beside it (cells
 `<backend>-distinct-b<B>`), row r the prompt prompts[r] (lengths may differ), each row checked against its prompt
 alone (workflow.replay.alone_check: a decisive difference writes no figure).
 Backends `hf`, `hf-grouped` and `hf-static` time transformers' own generate on the same checkpoint, prompts and
