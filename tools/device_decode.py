@@ -3,11 +3,15 @@ random bf16 weights built on the GPU, the torch path against the graph path (sam
 
     python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile] [--projections torch,triton] [--pdl on,off]
         [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"]
+    python3 tools/device_decode.py --knockout   # each kind of launch's share of the replayed step
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
 Prints: tokens agreement, TPOT p50 per path and batch (a CUDA event at each step's end), the captured step replayed
 back to back (the device's time alone: TPOT less that is the host's share), and with --profile
-the eager step's top kernels (torch.profiler). With --ep: the graph step on rank 0's GPU alone, then over the
+the eager step's top kernels (torch.profiler). With --knockout: the step captured again with one kind of launch left
+out (its output left as it was: wrong values, the same shapes) and replayed; the drop against the whole step is
+that launch's share of the step's critical path, which a fusion can save at most (it keeps the work). At batch 8
+only the launches after the router read true: one left out before it makes the rows differ, and route to more experts. With --ep: the graph step on rank 0's GPU alone, then over the
 ranks (each holding its shard of the same weights: every parameter is drawn from a generator seeded by its
 name), tokens compared. The pipeline's bench stage makes the figures of record.
 """
@@ -89,6 +93,70 @@ def replay_ms(dec, batch: int, start: int, n: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
 
+class _Skip:
+    """A Triton kernel that launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def knockout(model, prompt: list[int]) -> None:
+    from kernels import mla, moe, norm, route
+
+    made = {}
+
+    def once(key, make):  # made on the warm-up step, before the capture, then the same tensor
+        return made[key] if key in made else made.setdefault(key, make())
+
+    def routes(h, delta, *_, **__):
+        ids = once(("ids", h.shape[0]), lambda: torch.tensor([[0, 1, 2, 3, 4, 5, 64, 65]] * h.shape[0], device="cuda"))
+        return h, h, ids, once(("w", h.shape[0]), lambda: torch.full((h.shape[0], 8), 0.1, device="cuda"))
+
+    def pair(x, *_):
+        return (once(("q", x.shape[0]), lambda: torch.randn(x.shape[0], 3072, device="cuda", dtype=x.dtype)),
+                once(("kv", x.shape[0]), lambda: torch.randn(x.shape[0], 576, device="cuda", dtype=x.dtype)))
+
+    def down(x, *_):  # the slots' outputs, fp32 [B, 6 routed + 2 shared, D]
+        return once(("y", x.shape[0]), lambda: torch.zeros(x.shape[0], 8, x.shape[1], device="cuda"))
+
+    o_proj = [(layer.self_attn, "o_proj", torch.nn.Identity()) for layer in model.layers]
+    left_out = {
+        "nothing": [],
+        "q + kv_a projection": [(graph_decode, "project_pair", pair)],
+        "mla q absorb + cache write": [(mla, "_q_latent_kernel", _Skip())],
+        "mla attention core": [(mla, "_latent_attention_kernel", _Skip())],
+        "mla output absorb": [(mla, "_out_kernel", _Skip())],
+        "mla, all three": [(mla, k, _Skip()) for k in ("_q_latent_kernel", "_latent_attention_kernel", "_out_kernel")],
+        "o_proj": o_proj,
+        "add + norm + router": [(route, "add_norm_route", routes)],
+        "experts (gate_up + down)": [(moe, "experts_gate_up", lambda x, *_: x), (moe, "experts_down", down)],
+        "MoE sum + add + norm": [(norm, "moe_add_rms_norm", lambda h, *_: (h, h))],
+    }
+    rows = []
+    for name, patches in left_out.items():
+        model.graph_decode = None
+        torch.cuda.empty_cache()
+        dec = graph_decode.GraphDecode(model, "triton")
+        undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, new in patches:
+            setattr(obj, attr, new)
+        model.graph_decode = dec
+        ms = []
+        for batch in (1, 8):
+            tpot(model, batch, 8, prompt)  # captures
+            ms.append(replay_ms(dec, batch, len(prompt), 30))
+        for obj, attr, old in undo:
+            setattr(obj, attr, old)
+        made.clear()
+        rows.append((name, *ms))
+    layers = len(model.layers)
+    print(f"\n{'left out':>28} {'b1 replay ms':>13} {'us a layer':>11} {'b8 replay ms':>13} {'us a layer':>11}")
+    for name, b1, b8 in rows:
+        print(f"{name:>28} {b1:13.3f} {(rows[0][1] - b1) * 1e3 / layers:11.2f} {b8:13.3f} "
+              f"{(rows[0][2] - b8) * 1e3 / layers:11.2f}")
+    print(json.dumps({"layers": layers, "knockout": rows}))
+
+
 def expert_parallel(a, prompt: list[int]) -> None:
     """Single GPU then EP over the torchrun ranks, both through the graph step; rank 0 prints the table."""
     import torch.distributed as dist
@@ -138,11 +206,14 @@ def main() -> None:
     ap.add_argument("--knobs", default="", help="more variants (triton projections, PDL on), ';' between variants: "
                     "module.CONSTANT=value of kernels/, ',' between settings")
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
+    ap.add_argument("--knockout", action="store_true", help="only: each kind of launch's share of the replayed step")
     a = ap.parse_args()
     prompt = list(range(1000, 1012))
     if a.ep:
         return expert_parallel(a, prompt)
     model = build(a.layers)
+    if a.knockout:
+        return knockout(model, prompt)
     from kernels import pdl
 
     rows, dec = [], None
