@@ -11,9 +11,10 @@ back to back (the device's time alone: TPOT less that is the host's share), and 
 the eager step's top kernels (torch.profiler). With --knockout: the step captured again with one kind of launch left
 out (its output left as it was: wrong values, the same shapes) and replayed; the drop against the whole step is
 that launch's share of the step's critical path, which a fusion can save at most (it keeps the work). At batch 8
-only the launches after the router read true: one left out before it makes the rows differ, and route to more experts. With --ep: the graph step on rank 0's GPU alone, then over the
-ranks (each holding its shard of the same weights: every parameter is drawn from a generator seeded by its
-name), tokens compared. The pipeline's bench stage makes the figures of record.
+only the launches after the router read true: one left out before it makes the rows differ, and they route to more
+experts. With --ep: the graph step on rank 0's GPU alone, then over the ranks (each holding its shard of the same
+weights: every parameter is drawn from a generator seeded by its name), tokens compared. The pipeline's bench stage
+makes the figures of record.
 """
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ class _Skip:
 
 
 def knockout(model, prompt: list[int]) -> None:
+    """The replayed step at b1 and b8 with each kind of launch left out in turn (V2-Lite's shapes: 8 slots, q 3072)."""
     from kernels import mla, moe, norm, route
 
     made = {}
