@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from workflow.targets import free_port  # below the OS's ephemeral range, each port once
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "postgresql"]
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
@@ -132,12 +134,6 @@ class Unavailable(Exception):
 
 def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_busy(port: int) -> bool:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from engine.generate import generate  # noqa: E402
 from engine.model import MoE  # noqa: E402
 from engine.parallel import ExpertParallel, init_from_env  # noqa: E402
 from test_engine_parity import CONFIGS, PROMPT as GROUP_PROMPT  # noqa: E402
+from workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
 from test_engine_parity import hf_generate as parity_generate, hf_model as parity_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,12 +62,6 @@ def hf_generate(model, prompt: list[int], n: int = N_NEW) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)[0, len(prompt):].tolist()
     assert len(out) == n
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:

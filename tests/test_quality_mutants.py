@@ -1,13 +1,15 @@
 """The quality gate on trained weights sees engine bugs that change answers. Small known bugs (tests/mutants.py),
 each applied to a scratch copy of the engine and served on its own OpenAI-compatible endpoint, are gated against
 transformers on the default campaign's trained checkpoint (the default run's, shared), in float32 (all six logic
-mutants) and in bfloat16 (the same weights rounded; the two that flip answers). The unmutated engine, the stage's own `engine` target, must pass with identical
-completions; a mutant that flips answers must fail with its flips listed. `pytest -s` prints the table.
+mutants) and in bfloat16 (the same weights rounded; two of them). The unmutated engine, the stage's own `engine`
+target, must pass with identical completions; a mutant's flips must be listed, and fail the gate. `pytest -s` prints
+the table.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,15 @@ from workflow.evidence import read_json, write_text
 
 pytestmark = pytest.mark.slow
 DTYPES = ("float32", "bfloat16")
-# The logic mutants that flip answers of the trained tiny model in both dtypes (these must fail). Measured: float32 also fails softmax_scale_x1.01 (1 flip); norm_eps_x100, shared_experts_x0.98 and
-# decode_skips_pos1 change no answer, and the quality gate passes them: the parity logic check is what sees them.
-FLIPPING = ("route_drop_smallest", "yarn_hard_ramp")
-# every logic mutant in float32 (the table); in bf16 the ones that must fail, to keep the suite's time
-MEASURED = {"float32": mutants.LOGIC, "bfloat16": FLIPPING}
+# The logic mutant that flips most answers (55 of 64) in both dtypes, whatever CPU trained the model: it must fail.
+# The others flip a few answers or none, and which depends on the trained weights, which differ from one CPU to
+# another (the same seed and torch): route_drop_smallest and softmax_scale_x1.01 flipped answers where this was
+# first measured, and none on another machine, where they changed 1 completion of 64. Whatever they change, the gate
+# must list exactly their flips and fail on any (test_the_gate_lists_every_flip_and_fails_on_any); a mutant that
+# changes no answer passes the quality gate, and the parity logic check is what sees it.
+FLIPPING = ("yarn_hard_ramp",)
+# every logic mutant in float32 (the table); in bf16 two, to keep the suite's time
+MEASURED = {"float32": mutants.LOGIC, "bfloat16": ("route_drop_smallest", "yarn_hard_ramp")}
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +84,13 @@ def gates(trained, tmp_path_factory) -> dict:
             doc = quality.run(ckpt, ev, endpoints=urls)
             out[dtype] = {g["candidate"]: g for g in doc["gates"]}
             out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
+            out[dtype]["rows"] = {name: {r["id"]: r for r in map(json.loads, (ev / f"quality/gsm8k-{name}-rows.jsonl")
+                                                                   .read_text().splitlines())}
+                                  for name in ["hf", *urls]}
     print("\ncandidate | dtype | verdict | correct (hf) | identical completions | flips")
     for dtype, by in out.items():
         for name, g in by.items():
-            if name != "hf":
+            if name not in ("hf", "rows"):
                 print(f"{name} | {dtype} | {g['verdict']} | {g['counts']} | {len(g['flips'])}: "
                       + ", ".join(f"q{f['id']} {f['reference']}->{f['candidate']}" for f in g["flips"]))
     return out
@@ -105,3 +114,15 @@ def test_a_mutant_that_flips_answers_fails_with_its_flips_listed(gates, dtype, m
     g = gates[dtype][mutants.endpoint_name(mutant)]
     assert g["verdict"] in ("fail", "fail_flips") and g["flips"], g
     assert all(f["reference"] == f["gold"] and f["candidate"] != f["gold"] for f in g["flips"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gate_lists_every_flip_and_fails_on_any(gates, dtype):
+    """Whichever answers a mutant changes on these weights, the gate's flips are exactly the questions the reference
+    answers right and the mutant wrong, read from the two endpoints' rows, and a flip fails the gate."""
+    rows = gates[dtype]["rows"]
+    for name in map(mutants.endpoint_name, MEASURED[dtype]):
+        g = gates[dtype][name]
+        want = sorted(i for i, r in rows[name].items() if rows["hf"][i]["ok"] and not r["ok"])
+        assert sorted(f["id"] for f in g["flips"]) == want, (name, g)
+        assert not want or g["verdict"] in ("fail", "fail_flips"), (name, g)

@@ -267,8 +267,29 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
         def getsockname(self): return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(targets, "_HANDED_OUT", set())
+    monkeypatch.setattr(targets, "ephemeral_ports", lambda: range(0))  # unknown: the OS's bind(0)
     monkeypatch.setattr(socket, "socket", Probe)
     assert [targets.free_port(), targets.free_port()] == [40001, 40002]
+
+
+def test_free_ports_lie_below_the_range_client_connections_take(monkeypatch, tmp_path):
+    """A port in the OS's ephemeral range can be taken by a client connection's own end before the server binds it
+    (seen: a mutant server's port in use while ten servers were polled for readiness); free_port picks below that
+    range, skips a port something is bound to, and hands out each once."""
+    from types import SimpleNamespace
+
+    table = tmp_path / "ip_local_port_range"
+    table.write_text("32768\t60999\n")
+    monkeypatch.setattr(targets, "EPHEMERAL_RANGE", table)
+    monkeypatch.setattr(targets, "_HANDED_OUT", set())
+    assert targets.ephemeral_ports() == range(32768, 61000)
+    ports = [targets.free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(12768 <= p < 32768 for p in ports), ports
+
+    picks = iter([20000, 20001, 20001, 20002])  # bound by something else, free, handed out already, free
+    monkeypatch.setattr(targets, "_PICK", SimpleNamespace(randrange=lambda lo, hi: next(picks)))
+    monkeypatch.setattr(targets, "port_free", lambda port: port != 20000)
+    assert [targets.free_port(), targets.free_port()] == [20001, 20002]
 
 
 def test_an_unreachable_url_is_refused_before_work():

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from test_tracking import (CAMPAIGN_START, HEADLINE_ARTIFACTS, HEADLINE_METRICS,
                            seal)
 from workflow import tracking, ui
 from workflow.evidence import read_json
+from workflow.targets import free_port  # below the OS's ephemeral range, each port once
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
 pytestmark = [
@@ -34,12 +34,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("flask") is None or not MLFLOW.is_file(),
                        reason="`mlflow server` needs the full mlflow package (flask)"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(uri: str, endpoint: str, **query) -> dict:
@@ -51,7 +45,7 @@ def get(uri: str, endpoint: str, **query) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("mlflow-server")
-    uri = f"http://127.0.0.1:{_free_port()}"
+    uri = f"http://127.0.0.1:{free_port()}"
     log = open(home / "server.log", "wb")
     # the server `evident ui` starts (workflow/ui.py), its artifacts served from ./mlartifacts (MLflow's default)
     proc = subprocess.Popen(ui.command(f"sqlite:///{home / 'store.db'}", int(uri.rsplit(":", 1)[1])),

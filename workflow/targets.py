@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shlex
 import shutil
 import socket
@@ -193,16 +194,36 @@ def fill(template: str, **values) -> list[str]:
 
 _HANDED_OUT: set[int] = set()  # ports free_port gave this process: servers started together each get their own
 _HANDING = threading.Lock()
+_PICK = random.SystemRandom()  # not the seeded global generator
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> range:
+    """The ports the OS takes for bind(("", 0)) and for client connections' own end (Linux's ip_local_port_range);
+    empty where it cannot be read."""
+    try:
+        lo, hi = map(int, EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return range(0)
+    return range(lo, hi + 1)
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on and that this process has not handed out before: the OS may
+    """A port of 127.0.0.1 that nothing is bound to and that this process has not handed out before, below the range
+    the OS takes client connections' ports from where that range is known. A port from bind(0) lies in that range, and
+    a client socket (another server's readiness poll, seen) could take it before the server binds it; the OS may also
     return a port again once its probe socket closes, before the first server it was given binds it."""
+    below = ephemeral_ports().start
     with _HANDING:
         while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            if below > 2048:
+                port = _PICK.randrange(max(1024, below - 20000), below)
+                if port in _HANDED_OUT or not port_free(port):
+                    continue
+            else:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
             if port not in _HANDED_OUT:
                 _HANDED_OUT.add(port)
                 return port

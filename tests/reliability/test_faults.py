@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import handbuilt
 import tinyev
 from workflow import archive
 from workflow.evidence import MANIFEST, read_json
+from workflow.targets import free_port  # below the OS's ephemeral range, each port once
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -84,12 +84,6 @@ def wait_for(pred, what: str, timeout: float = 300, proc=None):
 def kill_group(proc) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- a real MLflow server on loopback ----------------------------------------------------------
