@@ -25,9 +25,10 @@ DTYPES = ("float32", "bfloat16")
 # The logic mutant that flips most answers (55 of 64) in both dtypes, whatever CPU trained the model: it must fail.
 # The others flip a few answers or none, and which depends on the trained weights, which repeat on one machine but
 # not, it seems, across machines (the same seed, code and torch): route_drop_smallest and softmax_scale_x1.01 flipped
-# answers where this was first measured, and none on another machine, where they changed 1 completion of 64. Whatever they change, the gate
-# must list exactly their flips and fail on any (test_the_gate_lists_every_flip_and_fails_on_any); a mutant that
-# changes no answer passes the quality gate, and the parity logic check is what sees it.
+# answers where this was first measured, and none on another machine, where they changed 1 completion of 64.
+# Whatever they change, the gate must list exactly their flips and fail on any
+# (test_the_gate_lists_every_flip_and_fails_on_any); a mutant that changes no answer passes the quality gate, and the
+# parity logic check is what sees it.
 FLIPPING = ("yarn_hard_ramp",)
 # every logic mutant in float32 (the table); in bf16 two, to keep the suite's time
 MEASURED = {"float32": mutants.LOGIC, "bfloat16": ("route_drop_smallest", "yarn_hard_ramp")}
