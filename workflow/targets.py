@@ -210,9 +210,10 @@ def ephemeral_ports() -> range:
 
 def free_port() -> int:
     """A port of 127.0.0.1 that nothing is bound to and that this process has not handed out before, below the range
-    the OS takes client connections' ports from where that range is known. A port from bind(0) lies in that range, where any
-    client connection may take it before the server binds it (seen: "port in use" as ten servers started together);
-    the OS may also return a port again once its probe socket closes, before the first server it was given binds it."""
+    the OS takes client connections' ports from where that range is known. A port from bind(0) lies in that range,
+    where any client connection may take it before the server binds it (seen: "port in use" as ten servers started
+    together); the OS may also return a port again once its probe socket closes, before the first server it was given
+    binds it."""
     below = ephemeral_ports().start
     with _HANDING:
         while True:
