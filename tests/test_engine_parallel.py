@@ -30,8 +30,8 @@ from engine.generate import generate  # noqa: E402
 from engine.model import MoE  # noqa: E402
 from engine.parallel import ExpertParallel, init_from_env  # noqa: E402
 from test_engine_parity import CONFIGS, PROMPT as GROUP_PROMPT  # noqa: E402
-from workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
 from test_engine_parity import hf_generate as parity_generate, hf_model as parity_model  # noqa: E402
+from workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"

@@ -102,24 +102,27 @@ class _Skip:
 
 
 def knockout(model, prompt: list[int]) -> None:
-    """The replayed step at b1 and b8 with each kind of launch left out in turn (V2-Lite's shapes: 8 slots, q 3072)."""
+    """The replayed step at b1 and b8 with each kind of launch left out in turn."""
     from kernels import mla, moe, norm, route
 
-    made = {}
+    made, args = {}, model.args
+    slots = args.num_experts_per_tok + args.n_shared_experts  # the router's: routed, then shared slices
+    q_dim, kv_dim = args.num_attention_heads * args.qk_head_dim, args.kv_lora_rank + args.qk_rope_head_dim
 
     def once(key, make):  # made on the warm-up step, before the capture, then the same tensor
         return made[key] if key in made else made.setdefault(key, make())
 
     def routes(h, delta, *_, **__):
-        ids = once(("ids", h.shape[0]), lambda: torch.tensor([[0, 1, 2, 3, 4, 5, 64, 65]] * h.shape[0], device="cuda"))
-        return h, h, ids, once(("w", h.shape[0]), lambda: torch.full((h.shape[0], 8), 0.1, device="cuda"))
+        slot = list(range(args.num_experts_per_tok)) + [args.n_routed_experts + j for j in range(args.n_shared_experts)]
+        ids = once(("ids", h.shape[0]), lambda: torch.tensor([slot] * h.shape[0], device="cuda"))
+        return h, h, ids, once(("w", h.shape[0]), lambda: torch.full((h.shape[0], slots), 0.1, device="cuda"))
 
     def pair(x, *_):
-        return (once(("q", x.shape[0]), lambda: torch.randn(x.shape[0], 3072, device="cuda", dtype=x.dtype)),
-                once(("kv", x.shape[0]), lambda: torch.randn(x.shape[0], 576, device="cuda", dtype=x.dtype)))
+        return (once(("q", x.shape[0]), lambda: torch.randn(x.shape[0], q_dim, device="cuda", dtype=x.dtype)),
+                once(("kv", x.shape[0]), lambda: torch.randn(x.shape[0], kv_dim, device="cuda", dtype=x.dtype)))
 
-    def down(x, *_):  # the slots' outputs, fp32 [B, 6 routed + 2 shared, D]
-        return once(("y", x.shape[0]), lambda: torch.zeros(x.shape[0], 8, x.shape[1], device="cuda"))
+    def down(x, *_):  # the slots' outputs, fp32 [B, slots, D]
+        return once(("y", x.shape[0]), lambda: torch.zeros(x.shape[0], slots, x.shape[1], device="cuda"))
 
     o_proj = [(layer.self_attn, "o_proj", torch.nn.Identity()) for layer in model.layers]
     left_out = {

@@ -217,17 +217,16 @@ def free_port() -> int:
     below = ephemeral_ports().start
     with _HANDING:
         while True:
-            if below > 2048:
-                port = _PICK.randrange(max(1024, below - 20000), below)
-                if port in _HANDED_OUT or not port_free(port):
-                    continue
-            else:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-            if port not in _HANDED_OUT:
+            port = _PICK.randrange(max(1024, below - 20000), below) if below > 2048 else _os_port()
+            if port not in _HANDED_OUT and (below <= 2048 or port_free(port)):  # the OS's port is free already
                 _HANDED_OUT.add(port)
                 return port
+
+
+def _os_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def port_free(port: int) -> bool:
