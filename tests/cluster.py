@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from workflow.targets import free_port  # below the OS's ephemeral range, each port once
+from workflow.targets import free_port, port_free  # free_port: below the OS's ephemeral range, each port once
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "postgresql"]
@@ -136,11 +135,6 @@ def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProce
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def port_busy(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def wait_for(pred, what: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -221,7 +215,7 @@ class Daemons:
             raise Unavailable(f"{SLURM_CONF} exists and was not written by this test: a real Slurm configuration "
                               "is not overwritten")
         for port in (6817, 6818):
-            if port_busy(port):
+            if not port_free(port):
                 raise Unavailable(f"port {port} (Slurm's default) is in use on loopback")
         state = self.root / "slurm"
         for d in ("state", "spool", "log"):

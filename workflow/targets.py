@@ -215,10 +215,11 @@ def free_port() -> int:
     together); the OS may also return a port again once its probe socket closes, before the first server it was given
     binds it."""
     below = ephemeral_ports().start
+    own = below > 2048  # room below the range to pick from; else the OS's port, free already
     with _HANDING:
         while True:
-            port = _PICK.randrange(max(1024, below - 20000), below) if below > 2048 else _os_port()
-            if port not in _HANDED_OUT and (below <= 2048 or port_free(port)):  # the OS's port is free already
+            port = _PICK.randrange(max(1024, below - 20000), below) if own else _os_port()
+            if port not in _HANDED_OUT and (not own or port_free(port)):
                 _HANDED_OUT.add(port)
                 return port
 
