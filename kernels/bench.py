@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from . import gemv, pdl, skinny
+from . import gemv, hbm, pdl, skinny
 from .graphs import capture
 
 K, SIZES = 4096, [2048, 512, 64]
@@ -37,14 +37,6 @@ VARIANTS = [(bn, nw) for bn in (1, 2, 4, 8) for nw in (1, 2, 4)]
 SKINNY_M, SKINNY_SHAPES = 8, {"q + kv_a": [3072, 576], "o_proj": [2048]}
 SKINNY_KNOBS = ("BLOCK_N", "BLOCK_K", "STAGES", "NUM_WARPS")
 SKINNY_VARIANTS = [(16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 6, 4), (64, 256, 3, 4)]  # no spills on sm_90
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second: the practical HBM ceiling."""
-    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -106,7 +98,7 @@ def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int =
 
 def skinny_main(variants: bool) -> None:
     """kernels/skinny.py against cuBLAS at batch 8; prints a table."""
-    bw = copy_bandwidth()
+    bw = hbm.read_bandwidth("cuda")
     chosen = tuple(getattr(skinny, k) for k in SKINNY_KNOBS)
     rows = []
     for label, sizes in SKINNY_SHAPES.items():
@@ -150,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     x = torch.randn(K, device="cuda", dtype=torch.float16)
     w = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.float16)
-    bw = copy_bandwidth()
+    bw = hbm.read_bandwidth("cuda")
     floor_us = (w.numel() + x.numel()) * 2 / bw * 1e6
     rows = []
 
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         alone, _ = kernel_us(fused, w, "_rows_kernel")
     print(f"\nkernel time a call (CUPTI, eager, each call on its own weight copy): gemv_fused {alone:.2f} us, "
           f"F.linear joined {linear:.2f} us ({n_linear:g} kernels a call)")
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s; HBM floor for K={K}, N={sum(SIZES)} fp16: {floor_us:.2f} us")
     print(f"{'kernel':40} {'streamed':>8} {'marginal':>8} {'cold':>8} {'warm':>8} {'x floor':>8} bitwise   (us, medians)")
     for name, streamed, marginal, cold, warm, ratio, ok in rows:
         print(f"{name:40} {streamed:8.2f} {marginal:8.2f} {cold:8.2f} {warm:8.2f} {ratio:8.2f} {ok}")

@@ -11,7 +11,7 @@ Medians in µs of CUDA-graph replays timed with CUDA events (kernels/bench.py's 
 - warm: the same call 20 times (its experts partly served by the L2);
 - kernels: the device time of the two experts kernels of a call (gate_up + down, CUPTI through torch.profiler,
   eager calls streamed as above), without the route sort and the weighted sum.
-floor: the unique experts' bytes of a call at 4.25 TB/s (the H200's copy bandwidth, KERNELS.md). Each case is
+floor: the unique experts' bytes of a call at the read bandwidth measured first (kernels/hbm.py). Each case is
 checked first: relative error against moe_reference, and (alike rows) every row bitwise equal to row 0.
 --variants also times other block shapes: of the one-row kernel (BLOCK_N, DOWN_BLOCK_N, NUM_WARPS, BLOCK_K) at
 B=1, of the tensor-core kernel (DOT_BLOCK_N, DOT_DOWN_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES) at B=8.
@@ -24,11 +24,10 @@ import itertools
 
 import torch
 
-from . import moe
+from . import hbm, moe
 from .bench import cold_us, graph_us
 
 D, I, E, K = 2048, 1408, 64, 6
-BANDWIDTH = 4.25e12
 CALLS = 10
 CASES = [("B=1", 1, True), ("B=8 alike rows", 8, True), ("B=8 distinct rows", 8, False)]
 ROW_KNOBS = ("BLOCK_N", "DOWN_BLOCK_N", "NUM_WARPS", "BLOCK_K")
@@ -74,12 +73,12 @@ def kernels_us(fn, ids: list[torch.Tensor]) -> float:
     return sum(ours) / (rounds * CALLS)
 
 
-def case_rows(label: str, B: int, alike: bool, w13, w2, gen, with_reference: bool) -> list[tuple]:
+def case_rows(label: str, B: int, alike: bool, w13, w2, gen, with_reference: bool, bw: float) -> list[tuple]:
     x = torch.randn(1 if alike else B, D, generator=gen, device="cuda").to(w13.dtype).expand(B, D).contiguous()
     wts = torch.rand(1 if alike else B, K, generator=gen, device="cuda").expand(B, K).contiguous()  # alike rows: alike
     ids = routings(B, alike, gen)
     expert_bytes = 3 * I * D * w13.element_size()
-    floor = sum(len(torch.unique(i)) for i in ids) / CALLS * expert_bytes / BANDWIDTH * 1e6
+    floor = sum(len(torch.unique(i)) for i in ids) / CALLS * expert_bytes / bw * 1e6
     err, rows = check(x, w13, w2, ids[0], wts, alike)
     out = []
     fns = [("moe_experts", moe.moe_experts)] + ([("moe_reference", moe.moe_reference)] if with_reference else [])
@@ -99,23 +98,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", action="store_true", help="also time other block shapes of the kernels")
     args = ap.parse_args(argv)
+    bw = hbm.read_bandwidth("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, D, generator=gen, device="cuda") * D**-0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, D, I, generator=gen, device="cuda") * I**-0.5).to(torch.bfloat16)
     chosen = {name: getattr(moe, name) for name in ROW_KNOBS + DOT_KNOBS}
     table = []
     for label, B, alike in CASES:
-        table += case_rows(label, B, alike, w13, w2, gen, with_reference=True)
+        table += case_rows(label, B, alike, w13, w2, gen, with_reference=True, bw=bw)
     if args.variants:
         for knobs, variants, cases in ((ROW_KNOBS, ROW_VARIANTS, CASES[:1]), (DOT_KNOBS, DOT_VARIANTS, CASES[1:])):
             for variant in variants:
                 for name, value in zip(knobs, variant):
                     setattr(moe, name, value)
                 for label, B, alike in cases:
-                    table += case_rows(f"{label} {variant}", B, alike, w13, w2, gen, with_reference=False)
+                    table += case_rows(f"{label} {variant}", B, alike, w13, w2, gen, with_reference=False, bw=bw)
                 for name in knobs:
                     setattr(moe, name, chosen[name])
-    print(f"\nD={D} I={I} E={E} k={K} bf16; floor = unique experts' bytes at {BANDWIDTH / 1e12:.2f} TB/s; "
+    print(f"\nD={D} I={I} E={E} k={K} bf16; floor = unique experts' bytes at {bw / 1e12:.2f} TB/s read; "
           f"variants of B=1 as {ROW_KNOBS}, of B=8 as {DOT_KNOBS}; chosen {chosen}")
     print(f"{'case':58} {'streamed':>8} {'cold':>8} {'warm':>8} {'kernels':>8} {'floor':>8} {'x floor':>7} "
           f"{'rel err':>8} alike=  (us, medians)")

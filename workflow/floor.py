@@ -1,4 +1,5 @@
-"""The floor of a decode step: the bytes it must read over the copy bandwidth measured on the same device.
+"""The floor of a decode step: the bytes it must read over the read bandwidth measured on the same device
+(kernels/hbm.py).
 
 A step reads every weight once, but only the batch's embedding rows and the routed experts its rows chose, each
 once however many rows chose it, plus the cache (`Layout.step`). Identical rows choose the same k experts a MoE
@@ -21,14 +22,12 @@ top-k layers read the router and their score correction bias (fp32, with the wei
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from workflow.checkpoints import DTYPES
+BANDWIDTH_KEY = "read_bandwidth_GBps"  # the bandwidth a floor was set at, in a floor's record
+BANDWIDTH_MIB, CPU_BANDWIDTH_MIB = 1024, 64  # the buffer read_bandwidth reads: a CPU's floor shows the machinery only
 
 
 @dataclass
@@ -64,6 +63,8 @@ class Layout:
 
 def layout(ckpt: Path, dtype: torch.dtype) -> Layout:
     """The Layout of the checkpoint's model in `dtype`. Router gates are fp32, as the engine keeps them."""
+    import torch
+
     from engine.config import V4, load_args
     from engine.model import MoE, Transformer
 
@@ -90,6 +91,8 @@ def v4_layout(args, dtype: torch.dtype) -> Layout:
     """The Layout of a DeepSeek-V4 model (engine.deepseek_v4.V4Transformer, on the meta device): the tensors the
     engine keeps in fp32 (engine.v4_checkpoint.FP32: norms, sinks, position biases, hyper-connections, the router)
     at 4 bytes, the rest in `dtype`; the cache by `cache_bytes` (module docstring)."""
+    import torch
+
     from engine.deepseek_v4 import V4Transformer
     from engine.v4_checkpoint import FP32
 
@@ -134,41 +137,27 @@ def cache_bytes(args, positions: int, itemsize: int) -> int:
     return int(n * itemsize)
 
 
-def copy_bandwidth(device: str, mib: int = 512) -> float:
-    """Bytes per second of a device-to-device copy (read plus write), the median of 10 after a warm-up."""
-    n = (mib << 20) // 4
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        if device.startswith("cuda"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src)
-            b.record()
-            b.synchronize()
-            t = a.elapsed_time(b) / 1e3
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            t = time.perf_counter() - t0
-        if i >= 3:
-            times.append(t)
-    return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
+def bandwidth(device: str) -> float:
+    """The read bandwidth a floor on `device` is set at, bytes/s (kernels.hbm.read_bandwidth)."""
+    from kernels.hbm import read_bandwidth
+
+    return read_bandwidth(device, BANDWIDTH_MIB if device.startswith("cuda") else CPU_BANDWIDTH_MIB)
 
 
 def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, device: str,
           kernel_us_per_step: float | None) -> dict:
     """The floor of `steps` captured decode steps of `batch` rows after a `prompt_tokens` prefill, in `dtype` (a
     name), against their kernel time per step (None: not measured)."""
+    from workflow.checkpoints import DTYPES
+
     parts = step_bytes(ckpt, DTYPES[dtype], batch, prompt_tokens + (steps + 1) // 2)
-    bw = copy_bandwidth(device, 512 if device.startswith("cuda") else 64)
-    out = {"bytes": parts, "copy_bandwidth_GBps": bw / 1e9, "floor_us": parts["total"] / bw * 1e6,
+    bw = bandwidth(device)
+    out = {"bytes": parts, BANDWIDTH_KEY: bw / 1e9, "floor_us": parts["total"] / bw * 1e6,
            "kernel_us_per_step": kernel_us_per_step,
            "basis": "every weight read once, the batch's embedding rows, top_k routed experts a MoE layer (identical "
                     "rows route alike) and the cache (MLA: the latent cache; DeepSeek-V4: sliding window, "
                     "compressed and indexer entries, the compressors' pooled windows: workflow/floor.py) at the "
-                    "captured steps' middle position, over the measured device-to-device copy bandwidth"}
+                    "captured steps' middle position, over the measured read bandwidth (kernels/hbm.py)"}
     if kernel_us_per_step:
         out["floor_fraction"] = out["floor_us"] / kernel_us_per_step
     return out
@@ -186,10 +175,10 @@ def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]
     return {
         "basis": "per steady decode step: every weight read once, each row's embedding row and cache (its own "
                  "positions), and the routed experts the rows chose a MoE layer, each once (their union), from a "
-                 "teacher-forced replay of each row (workflow/replay.py); over the measured device-to-device copy "
-                 "bandwidth" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the cache "
-                                "and its own shard's chosen experts" if ranks > 1 else ""),
-        "copy_bandwidth_GBps": bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
+                 "teacher-forced replay of each row (workflow/replay.py); over the measured read bandwidth "
+                 "(kernels/hbm.py)" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the "
+                                       "cache and its own shard's chosen experts" if ranks > 1 else ""),
+        BANDWIDTH_KEY: bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
         "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),
                            "top_k": lay.top_k, "experts": lay.n_experts, "moe_layers": len(lay.expert)}
         if unique else None,

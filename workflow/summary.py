@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow import checkpoints, gsm8k, screens
+from workflow import checkpoints, floor, gsm8k, screens
 from workflow.evidence import read_config, read_json
 from workflow.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
 from workflow.traces import markdown
@@ -159,7 +159,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
            "prompt copied to every row (so rows route to the same experts)"
            + (", and `distinct`, the campaign's prompts one a row" if config["bench"].get("prompts") else "")
            + "; EOS ignored; noisy cells make no claim. The floor is a model of the bytes a step must read, over a "
-             "measured copy bandwidth, not a measurement of the step."]
+             "measured read bandwidth, not a measurement of the step."]
           if frames is not None else []),
         *([f"- HTTP figures are the client's, on loopback (127.0.0.1) on this machine: they include the server's "
            "HTTP, JSON and event-stream work and its batching, not a network; a URL target's server ran wherever it "
@@ -361,12 +361,12 @@ def bench_floor_lines(cells: list[dict]) -> list[str]:
     if not floors:
         return []
     experts = next((f["unique_experts"] for f in floors if f.get("unique_experts")), None)
-    bandwidths = sorted({round(f["copy_bandwidth_GBps"]) for f in floors})
+    bandwidths = sorted({round(f[floor.BANDWIDTH_KEY]) for f in floors})
     return [
         "Floor: per steady decode step, the bytes it must read (every weight once, each row's embedding row and "
         "cache at its own positions, and the routed experts the batch's rows chose, each once however many rows "
         "chose it: the experts actually chosen, from an untimed teacher-forced replay of each row), over the "
-        f"device-to-device copy bandwidth each bench job measured ({', '.join(f'{b:,} GB/s' for b in bandwidths)}); "
+        f"read bandwidth each bench job measured ({', '.join(f'{b:,} GB/s' for b in bandwidths)}); "
         "the floor column is its mean over the steady steps, floor / TPOT p50 how near the cell comes to it"
         + (f". Unique experts a MoE layer: mean (min–max) over the steady steps and {experts['moe_layers']} MoE "
            f"layers, of {experts['experts']} routed experts, top-{experts['top_k']} a row (a same-prompt batch: "
@@ -521,8 +521,8 @@ def floor_lines(fl: dict | None) -> list[str]:
     took = (f"; the captured steps' kernels took {fl['kernel_us_per_step']:.0f} µs a step, "
             f"{100 * fl['floor_fraction']:.0f}% of it the floor" if fl.get("floor_fraction") else "")
     return [f"Floor: a step must read {b['total'] / 1e6:.1f} MB (weights {b['weights'] / 1e6:.1f}, chosen routed "
-            f"experts {b['chosen_experts'] / 1e6:.1f}, cache {b['cache'] / 1e6:.2f}); at the measured copy bandwidth "
-            f"of {fl['copy_bandwidth_GBps']:.0f} GB/s that is {fl['floor_us']:.0f} µs{took}.", ""]
+            f"experts {b['chosen_experts'] / 1e6:.1f}, cache {b['cache'] / 1e6:.2f}); at the measured read bandwidth "
+            f"of {fl[floor.BANDWIDTH_KEY]:.0f} GB/s that is {fl['floor_us']:.0f} µs{took}.", ""]
 
 
 def profile_section(root: Path) -> list[str]:

@@ -16,7 +16,7 @@ time of each warm-up and measured run, so a compile (in the first warm-up) is re
 `first_warmup_over_repeat_s`.
 After the timing, untimed, each cell's rows are replayed (workflow/replay.py) for the experts every steady decode
 step chose, and the cell records its floor (workflow.floor.bench_floor: the bytes each step must read, the unique
-experts a MoE layer, over the copy bandwidth measured here once) against its steady TPOT p50.
+experts a MoE layer, over the read bandwidth measured here once) against its steady TPOT p50.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         with engine_stage("bench", args) as (st, s):
             versions, model = measured_with(args.evidence)
             lay = floor.layout(args.checkpoint, DTYPES[s.config["dtype"]])
-            bandwidth = floor.copy_bandwidth(s.device, 512 if s.device.startswith("cuda") else 64)
+            bandwidth = floor.bandwidth(s.device)
             near_tie = rows_margin(args.evidence, s.config)
             for prompts in bench_contracts(s.config["bench"]):
                 for batch in args.batch_sizes:
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                     if s.primary:
                         fl = cell["floor"]
                         print(f"[bench {args.backend}-b{batch} {prompts}] floor {fl['floor_ms']:.3f} ms a steady step "
-                              f"({fl['bytes']['total'] / 1e6:.1f} MB at {fl['copy_bandwidth_GBps']:.0f} GB/s), "
+                              f"({fl['bytes']['total'] / 1e6:.1f} MB at {fl[floor.BANDWIDTH_KEY]:.0f} GB/s), "
                               f"{100 * fl['floor_fraction']:.0f}% of TPOT p50; rows: {cell['rows_check']['verdict']}",
                               flush=True)
     except (CheckpointError, CheckpointInvalid, BenchError, replay.ReplayError) as e:

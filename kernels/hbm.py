@@ -1,0 +1,93 @@
+"""The device's read bandwidth: the rate the bandwidth floors (workflow/floor.py, the kernel benches) divide bytes by.
+
+A decode step only reads its weights, so its floor is their bytes over what a plain read moves: this kernel, eight
+launches between the CUDA events. The floors used one timed device-to-device copy before, about 12% slower on an H200
+(kernels/KERNELS.md "The read bandwidth").
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096  # fp32 values a program: 16 KB, at the plateau of 4-16 KB a program (one warp of 1 KB: 25% slower)
+CHAIN = 8  # launches between the events: one launch's ramp and tail cost ~3% of 1 GiB's read
+
+
+@triton.jit
+def _read_kernel(x, out, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    v = tl.load(x + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out + pid, tl.sum(v, axis=0))
+
+
+def block_sums(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each BLOCK of the flat fp32 `x` summed into `out`: every byte of `x` read once."""
+    _read_kernel[(out.numel(),)](x, out, BLOCK=BLOCK, num_warps=8)
+    return out
+
+
+def read_bandwidth(device: str, mib: int = 1024, repeats: int = 10) -> float:
+    """Bytes read per second: the median of `repeats` timings, after a warm-up, of CHAIN reads of a `mib` MiB
+    buffer. On CUDA the reads are block_sums, checked first against torch's sum; elsewhere torch's sum (a CPU
+    campaign's floor exercises the machinery only)."""
+    n = ((mib << 20) // 4) // BLOCK * BLOCK
+    x = torch.randn(n, device=device)
+    if device.startswith("cuda"):
+        out = torch.empty(n // BLOCK, device=device)
+        got, want = block_sums(x, out).double().sum().item(), x.double().sum().item()
+        if abs(got - want) > 1e-3 * n ** 0.5:
+            raise RuntimeError(f"the read kernel summed {got}, not {want}: its bandwidth would be no read's")
+        read = lambda: block_sums(x, out)  # noqa: E731
+    else:
+        read = x.sum
+    times = []
+    for i in range(repeats + 2):
+        if device.startswith("cuda"):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(CHAIN):
+                read()
+            b.record()
+            b.synchronize()
+            t = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            for _ in range(CHAIN):
+                read()
+            t = time.perf_counter() - t0
+        if i >= 2:
+            times.append(t / CHAIN)
+    return n * 4 / statistics.median(times)
+
+
+def copy_bandwidth(mib: int = 512) -> float:
+    """What the floors used before: one device-to-device copy of `mib` MiB timed alone, bytes read plus written per
+    second (median of 10)."""
+    src = torch.randn((mib << 20) // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times[2:])
+
+
+def main() -> None:
+    """`python -m kernels.hbm` on a GPU: the read bandwidth the floors use, beside the copy they used before."""
+    rows = [(f"read, {mib} MiB, {CHAIN} launches between events (the floors')", read_bandwidth("cuda", mib))
+            for mib in (1024, 2048)]
+    rows.append(("copy, 512 MiB, one launch, read + written (the floors' before 2026-12-03)", copy_bandwidth()))
+    for name, bw in rows:
+        print(f"{name:80} {bw / 1e9:7,.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
