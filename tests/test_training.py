@@ -90,6 +90,28 @@ def test_another_seed_or_step_count_gives_other_weights(trained, tmp_path):
         assert _hashes(other)["model.safetensors"] != _hashes(trained)["model.safetensors"]
 
 
+def test_padded_values_train_as_transformers_sdpa_does(tmp_path):
+    """training.PADDED_SDPA (the values zero-padded to the queries' head size, for torch's CPU flash kernel) gives
+    transformers' own sdpa loss and gradients: the padding attends to zeros and is cut off."""
+    from transformers import AttentionInterface
+
+    ckpt = checkpoints.write_synthetic(tmp_path / "init", TINY, 0, 0.02, "float32")
+    _, cls = checkpoints.hf_classes(checkpoints.family(TINY))
+    AttentionInterface.register(training.PADDED_SDPA, training.padded_sdpa)
+    x = torch.randint(2, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for attention in ("sdpa", training.PADDED_SDPA):
+        model = cls.from_pretrained(ckpt, dtype=torch.float32, attn_implementation=attention)
+        logits = model(input_ids=x).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).backward()
+        grads[attention] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (a, ga), (b, gb) = grads.values()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and any("self_attn" in n for n in ga)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_trained_files_load_cleanly_in_transformers_and_the_engine(trained):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -153,3 +175,17 @@ def test_train_defaults_fill_in_for_trained_and_are_refused_for_other_sources():
 def test_rows_longer_than_the_context_are_refused_before_work():
     msg = _problems(_campaign(train={"seq_len": 512}))
     assert "`checkpoint.train.seq_len`: 512 tokens a row exceed the model's context of 256" in msg, msg
+
+
+def test_another_trainer_version_is_another_cache_entry(monkeypatch):
+    """A trainer that trains other weights from the same spec (training.VERSION) never reuses the old cache entry;
+    a synthetic checkpoint's entry does not depend on it."""
+    from workflow import estimate
+
+    trained = {"checkpoint": {"source": "trained", "seed": 0, "init_std": 0.02, "train": SHORT, "config": TINY},
+               "dtype": "float32", "device": "cpu"}
+    synthetic = {**trained, "checkpoint": {k: v for k, v in trained["checkpoint"].items() if k != "train"}
+                 | {"source": "synthetic"}}
+    before = estimate.cache_dir(trained), estimate.cache_dir(synthetic)
+    monkeypatch.setattr(training, "VERSION", training.VERSION + 1)
+    assert estimate.cache_dir(trained) != before[0] and estimate.cache_dir(synthetic) == before[1]

@@ -180,9 +180,13 @@ def free_disk(path: Path) -> int:
 
 def cache_dir(config: dict) -> Path:
     """The checkpoint cache directory of a synthetic, trained or hub campaign."""
+    from workflow import training
+
     spec = config["checkpoint"]
-    key = config_hash({"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]})[:12]
-    return CACHE / f"{spec['source']}-{key}"
+    keyed = {"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]}
+    if spec["source"] == "trained":
+        keyed["trainer"] = training.VERSION
+    return CACHE / f"{spec['source']}-{config_hash(keyed)[:12]}"
 
 
 def checkpoint_dir(config: dict) -> Path:
