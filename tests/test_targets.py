@@ -348,6 +348,14 @@ def test_a_served_process_is_polled_until_ready_and_always_stopped(tmp_path):
     with socket_on(port), pytest.raises(targets.TargetError, match=f"port {port} of 127.0.0.1 is in use"):
         with targets.served(argv, port, tmp_path / "logs/c.log", "a test server"):
             pass
+    # a server that dies while in use (this one after its readiness answer): the error names its exit and its log,
+    # not the refused connection
+    once = ("import http.server, sys; s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+            "http.server.SimpleHTTPRequestHandler); s.handle_request(); sys.exit(5)")
+    with pytest.raises(targets.TargetError, match=r"a test server exited with 5 while in use \(see logs/d.log\)"):
+        with targets.served([sys.executable, "-c", once, str(port)], port, tmp_path / "logs/d.log", "a test server",
+                            ready="/", cwd=tmp_path):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10)
 
 
 @contextlib.contextmanager

@@ -273,7 +273,14 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
                     if time.perf_counter() - t0 > READY_TIMEOUT_S:
                         raise TargetError(f"{what} was not ready within {READY_TIMEOUT_S}s ({_where(log)})") from None
                     time.sleep(0.2)
-            yield base, time.perf_counter() - t0
+            try:
+                yield base, time.perf_counter() - t0
+            except OSError as e:  # refused or reset: where the server has died under its caller, say that
+                try:
+                    code = proc.wait(timeout=2)  # a server that refuses may be one still exiting
+                except subprocess.TimeoutExpired:
+                    raise e from None
+                raise TargetError(f"{what} exited with {code} while in use ({_where(log)})") from e
         finally:
             proc.terminate()
             try:
