@@ -21,4 +21,3 @@ def test_a_read_that_skips_bytes_is_refused(monkeypatch):
     monkeypatch.setattr(hbm, "block_sums", lambda x, out: out.zero_())
     with pytest.raises(RuntimeError, match="no read's"):
         hbm.read_bandwidth("cuda", mib=64, repeats=3)
-
