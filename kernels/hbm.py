@@ -30,38 +30,38 @@ def block_sums(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def median_seconds(fn, device: str, repeats: int, chain: int = 1) -> float:
+    """Seconds one of `chain` back-to-back calls of fn takes: the median of `repeats` timings after two warm-ups (CUDA
+    events on a GPU, the wall clock elsewhere)."""
+    cuda = device.startswith("cuda")
+    times = []
+    for _ in range(repeats + 2):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        for _ in range(chain):
+            fn()
+        if cuda:
+            b.record()
+            b.synchronize()
+        times.append((a.elapsed_time(b) / 1e3 if cuda else time.perf_counter() - t0) / chain)
+    return statistics.median(times[2:])
+
+
 def read_bandwidth(device: str, mib: int = 1024, repeats: int = 10) -> float:
-    """Bytes read per second: the median of `repeats` timings, after a warm-up, of CHAIN reads of a `mib` MiB
-    buffer. On CUDA the reads are block_sums, checked first against torch's sum; elsewhere torch's sum (a CPU
-    campaign's floor exercises the machinery only)."""
+    """Bytes read per second: CHAIN reads of a `mib` MiB buffer (median_seconds). On CUDA the reads are block_sums,
+    checked first against torch's sum; elsewhere torch's sum (a CPU campaign's floor exercises the machinery only)."""
     n = ((mib << 20) // 4) // BLOCK * BLOCK
     x = torch.randn(n, device=device)
+    read = x.sum
     if device.startswith("cuda"):
         out = torch.empty(n // BLOCK, device=device)
         got, want = block_sums(x, out).double().sum().item(), x.double().sum().item()
         if abs(got - want) > 1e-3 * n ** 0.5:
             raise RuntimeError(f"the read kernel summed {got}, not {want}: its bandwidth would be no read's")
         read = lambda: block_sums(x, out)  # noqa: E731
-    else:
-        read = x.sum
-    times = []
-    for i in range(repeats + 2):
-        if device.startswith("cuda"):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(CHAIN):
-                read()
-            b.record()
-            b.synchronize()
-            t = a.elapsed_time(b) / 1e3
-        else:
-            t0 = time.perf_counter()
-            for _ in range(CHAIN):
-                read()
-            t = time.perf_counter() - t0
-        if i >= 2:
-            times.append(t / CHAIN)
-    return n * 4 / statistics.median(times)
+    return n * 4 / median_seconds(read, device, repeats, CHAIN)
 
 
 def copy_bandwidth(mib: int = 512) -> float:
@@ -69,15 +69,7 @@ def copy_bandwidth(mib: int = 512) -> float:
     second (median of 10)."""
     src = torch.randn((mib << 20) // 4, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times[2:])
+    return 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), "cuda", 10)
 
 
 def main() -> None:
