@@ -64,7 +64,9 @@ def hf_generate(model, prompt: list[int], n: int = N_NEW) -> list[int]:
     return out
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+# The limit is for a hung collective, not a busy machine: the module's fixture, this launch with it, took 130 s beside
+# the other worker on two cores, and a third busy process there took the launch past the 180 s it had (2026-12-03)
+def torchrun(nproc: int, *args: str, timeout: int = 360) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
