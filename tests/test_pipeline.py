@@ -206,31 +206,6 @@ def test_unknown_key_and_bad_value_fail_naming_the_key(tmp_path):
     assert not (tmp_path / "evidence").exists()
 
 
-def test_tracking_unreachable_still_seals_complete_evidence(tmp_path):
-    with socket.socket() as s:  # a loopback port with nothing listening
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # the model without yarn: a campaign file is whole, it inherits no key of the default campaign's model
-    model = {k: v for k, v in TINY["checkpoint"]["config"].items() if k != "rope_scaling"}
-    # the stages in one process each (every stage records to the tracking server the same way): the servers of
-    # serve_bench and quality would add minutes and no other path to the store
-    stages = ["oracle", "parity", "bench", "profile"]
-    r = snakemake(tmp_path, "--configfile", str(campaign(tmp_path, stages=stages, **{"checkpoint.config": model})),
-                  env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ev = only_evidence_dir(tmp_path, "e2e")
-    manifest = json.loads((ev / MANIFEST).read_text())
-    assert manifest["tracking"]["status"] == "pending"
-    for p in ev.rglob("*"):  # the URL (a host) reaches no evidence file
-        assert not p.is_file() or f"127.0.0.1:{port}" not in p.read_text(errors="replace"), p
-    recorded = yaml.safe_load((ev / "config.yaml").read_text())
-    assert "tracking" not in recorded
-    assert "rope_scaling" not in recorded["checkpoint"]["config"]
-    assert manifest["verdict"] == "all_token_text_exact"
-    assert {"oracle/hf.json", "parity/single-b3.json", "parity/comparison.json", "bench/single-b1.json",
-            "bench/single-distinct-b1.json", "SUMMARY.md"} <= set(manifest["files"])
-
-
 def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
     from workflow.checkpoints import write_synthetic
 
@@ -343,7 +318,12 @@ V4 = yaml.safe_load((REPO / "config/campaigns/v4-tiny.yaml").read_text())
 @pytest.fixture(scope="module")
 def v4_run(tmp_path_factory):
     """The shipped DeepSeek-V4 campaign (config/campaigns/v4-tiny.yaml: every stage a CPU runs, require_exact) cut to a
-    few tokens, shared by the assertions below."""
+    few tokens, shared by the assertions below, with its tracking server unreachable (a loopback port with nothing
+    listening: the evidence goes to the store at the seal, whatever the stages, so one run shows both). Returns (the
+    evidence directory, the tracking URI)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
     wd = tmp_path_factory.mktemp("v4")
     cfg = copy.deepcopy(V4)
     cfg["campaign"] = "v4-e2e"
@@ -357,14 +337,14 @@ def v4_run(tmp_path_factory):
     path = wd / "v4.yaml"
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.perf_counter()
-    r = snakemake(wd, "--configfile", str(path))
+    r = snakemake(wd, "--configfile", str(path), env={"MLFLOW_TRACKING_URI": uri})
     print(f"v4 campaign: {time.perf_counter() - t0:.1f}s")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return only_evidence_dir(wd, "v4-e2e")
+    return only_evidence_dir(wd, "v4-e2e"), uri
 
 
 def test_v4_campaign_is_token_exact_against_transformers(v4_run):
-    ev = v4_run
+    ev, _ = v4_run
     manifest = json.loads((ev / MANIFEST).read_text())
     assert manifest["verdict"] == "all_token_text_exact" and manifest["gates"]["parity"] == "all_token_text_exact"
     comparison = json.loads((ev / "parity/comparison.json").read_text())
@@ -387,18 +367,20 @@ def test_v4_campaign_is_token_exact_against_transformers(v4_run):
     assert "skipped" not in json.loads((ev / "checkpoint.json").read_text())  # no MTP tensors written
 
 
+V4_FILES = ("bench/single-b1.json", "bench/hf-b1.json", "bench/summary.csv", "plots/bench.png", "overlap/screen.json",
+            "plots/overlap.png", "kernels/audit.json", "quality/gsm8k-engine.json", "quality/gsm8k-hf.json",
+            "logs/quality-engine-server.log", "profile/capture.json", "profile/kernels.csv", "plots/profile.png")
+
+
 def test_v4_campaign_runs_every_cpu_stage(v4_run):
-    ev = v4_run
+    ev, _ = v4_run
     manifest = json.loads((ev / MANIFEST).read_text())
     stages = dict(manifest["stages"])
     assert stages.pop("kernel_audit") == "skipped"  # nothing compiles without CUDA
     assert stages == {s: "ok" for s in ("context", "checkpoint", "oracle", "parity-single", "compare", "bench-single",
                                         "bench-hf", "serve_bench-engine", "bench_report", "overlap", "quality",
                                         "profile")}
-    for rel in ("bench/single-b1.json", "bench/hf-b1.json", "bench/summary.csv", "plots/bench.png",
-                "overlap/screen.json", "plots/overlap.png", "kernels/audit.json", "quality/gsm8k-engine.json",
-                "quality/gsm8k-hf.json", "logs/quality-engine-server.log", "profile/capture.json",
-                "profile/kernels.csv", "plots/profile.png"):
+    for rel in V4_FILES:
         assert (ev / rel).is_file(), rel
     screen = json.loads((ev / "overlap/screen.json").read_text())  # the model's own C4 projections, bitwise
     screened = screen["shapes"].get("configured") or screen["shapes"]
@@ -417,3 +399,19 @@ def test_v4_campaign_runs_every_cpu_stage(v4_run):
     assert parts["cache"] > 0 and parts["chosen_experts"] == 3 * 2 * 3 * 64 * 32 * 4  # layers x top-k x expert
     summary = (ev / "SUMMARY.md").read_text()
     assert "transformers DeepseekV4 oracle" in summary and "DeepSeek-V4 attention" in summary
+
+
+def test_tracking_unreachable_still_seals_complete_evidence(v4_run):
+    """The v4 run's tracking server was unreachable: the run passed, sealed every file with tracking pending (`evident
+    sync` replays it), and the URL (a host) reached no evidence file. The recorded campaign is the file's alone: no
+    key of the default campaign's model (its yarn rope) joins the V4 model's."""
+    ev, uri = v4_run
+    manifest = json.loads((ev / MANIFEST).read_text())
+    assert manifest["tracking"]["status"] == "pending"
+    for p in ev.rglob("*"):
+        assert not p.is_file() or uri.removeprefix("http://") not in p.read_text(errors="replace"), p
+    recorded = yaml.safe_load((ev / "config.yaml").read_text())
+    assert "tracking" not in recorded
+    assert "rope_scaling" in TINY["checkpoint"]["config"] and "rope_scaling" not in recorded["checkpoint"]["config"]
+    assert {"oracle/hf.json", "parity/single-b2.json", "parity/comparison.json", "SUMMARY.md", *V4_FILES} \
+        <= set(manifest["files"])
