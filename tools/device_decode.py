@@ -201,6 +201,24 @@ def expert_parallel(a, prompt: list[int]) -> None:
         print(json.dumps({"layers": a.layers, "world_size": ep.world_size, "rows": rows}))
 
 
+@contextlib.contextmanager
+def knobs_set(settings: str):
+    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block. Put back in reverse
+    order, so that a constant set twice gets its value from before the first."""
+    undo = []
+    try:
+        for setting in filter(None, settings.split(",")):
+            name, value = setting.split("=", 1)
+            mod, const = name.rsplit(".", 1)
+            mod = importlib.import_module(f"kernels.{mod}")
+            undo.append((mod, const, getattr(mod, const)))
+            setattr(mod, const, type(getattr(mod, const))(ast.literal_eval(value)))  # "False" is not bool("False")
+        yield
+    finally:
+        for mod, const, value in reversed(undo):
+            setattr(mod, const, value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=27)
@@ -229,25 +247,17 @@ def main() -> None:
         model.graph_decode = dec = None  # frees the last variant's expert stacks and graphs (~30 GB)
         torch.cuda.empty_cache()
         pdl.ENABLED = on == "on"  # read at capture: each variant's graphs keep their own launches
-        undo = []
-        for setting in filter(None, knobs.split(",")):
-            name, value = setting.split("=")
-            mod, const = name.rsplit(".", 1)
-            mod = importlib.import_module(f"kernels.{mod}")
-            undo.append((mod, const, getattr(mod, const)))
-            setattr(mod, const, type(getattr(mod, const))(ast.literal_eval(value)))  # "False" is not bool("False")
-        dec = graph_decode.GraphDecode(model, projections)
-        label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
-        for batch in (1, 8):
-            t_torch, tok_torch = torch_path[batch]
-            model.graph_decode = dec
-            t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
-            t_replay = replay_ms(dec, batch, len(prompt), a.tokens - 2) if dec.graphs else float("nan")
-            same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
-            rows.append((label, batch, t_torch, t_graph, t_replay,
-                         "all" if same is None else f"first {same}"))
-        for mod, const, value in undo:
-            setattr(mod, const, value)
+        with knobs_set(knobs):
+            dec = graph_decode.GraphDecode(model, projections)
+            label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
+            for batch in (1, 8):
+                t_torch, tok_torch = torch_path[batch]
+                model.graph_decode = dec
+                t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
+                t_replay = replay_ms(dec, batch, len(prompt), a.tokens - 2) if dec.graphs else float("nan")
+                same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
+                rows.append((label, batch, t_torch, t_graph, t_replay,
+                             "all" if same is None else f"first {same}"))
 
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
