@@ -27,6 +27,7 @@ import statistics
 import sys
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -203,20 +204,16 @@ def expert_parallel(a, prompt: list[int]) -> None:
 
 @contextlib.contextmanager
 def knobs_set(settings: str):
-    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block. Put back in reverse
-    order, so that a constant set twice gets its value from before the first."""
-    undo = []
-    try:
+    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block; each put back by
+    mock.patch.object, the last set first (a constant set twice gets its value from before the first), on error too."""
+    with contextlib.ExitStack() as stack:
         for setting in filter(None, settings.split(",")):
             name, value = setting.split("=", 1)
             mod, const = name.rsplit(".", 1)
             mod = importlib.import_module(f"kernels.{mod}")
-            undo.append((mod, const, getattr(mod, const)))
-            setattr(mod, const, type(getattr(mod, const))(ast.literal_eval(value)))  # "False" is not bool("False")
+            value = type(getattr(mod, const))(ast.literal_eval(value))  # "False" is not bool("False")
+            stack.enter_context(mock.patch.object(mod, const, value))
         yield
-    finally:
-        for mod, const, value in reversed(undo):
-            setattr(mod, const, value)
 
 
 def main() -> None:
