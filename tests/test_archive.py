@@ -449,9 +449,9 @@ def test_sync_to_an_unreachable_store_fails_and_keeps_evidence(arch, capsys, mon
 
 # --- on evidence the pipeline built (slow) -------------------------------------------------
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, command: tuple[str, ...] = (str(SNAKEMAKE),)) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    return subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "-d", str(workdir), "-c2", *args],
+    return subprocess.run([*command, "-s", str(REPO / "Snakefile"), "-d", str(workdir), "-c2", *args],
                           capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -565,6 +565,19 @@ def test_pipeline_archive_index_loads_in_chromium(pipeline, tmp_path):
         assert all(link.startswith("file://") for link in seen["links"])
         assert shot.stat().st_size > 10_000
     assert any(img["src"].endswith("plots/bench.png") for img in seen["images"])
+
+
+@pytest.mark.slow
+@cluster.shares_default_run
+def test_rerun_through_the_venv_at_another_path_has_nothing_to_do(pipeline, tmp_path):
+    """The same tree run through its venv reached at another path (moved, or through a link) reruns nothing: the
+    stages' commands name their interpreter as $EVIDENT_PY, so their params, a rerun trigger, hold no path."""
+    wd, _ = pipeline
+    venv = tmp_path / "venv"
+    venv.symlink_to(sys.prefix, target_is_directory=True)
+    python = venv / Path(sys.executable).relative_to(sys.prefix)
+    r = snakemake(wd, "-n", command=(str(python), "-m", "snakemake"))
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.mark.slow

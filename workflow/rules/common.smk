@@ -10,7 +10,11 @@ from workflow.campaign import evidence_config
 from workflow.estimate import checkpoint_dir
 from workflow.evidence import evidence_id, git_state
 
-PY = sys.executable  # the stages run in the interpreter that runs Snakemake
+# The stages run in the interpreter that runs Snakemake, named in their commands by an environment variable, not by its
+# path: Snakemake reruns a job whose params changed, and the same tree run through a venv at another path (moved, or
+# reached through a link) must not rerun its stages.
+os.environ["EVIDENT_PY"] = sys.executable
+PY = '"$EVIDENT_PY"'
 GIT = git_state(workflow.basedir)
 RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, resources or paths
 EID = evidence_id(GIT, RECORDED, config["repeat"])
