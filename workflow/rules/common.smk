@@ -10,10 +10,10 @@ from workflow.campaign import evidence_config
 from workflow.estimate import checkpoint_dir
 from workflow.evidence import evidence_id, git_state
 
-# The stages run in the interpreter that runs Snakemake, named in their commands by an environment variable, not by its
-# path: Snakemake reruns a job whose params changed, and the same tree run through a venv at another path (moved, or
-# reached through a link) must not rerun its stages.
-os.environ["EVIDENT_PY"] = sys.executable
+# The stages run in the interpreter that runs Snakemake, named in their commands by a variable every job's shell sets
+# (Snakemake's default prefix, then it), not by its path: Snakemake reruns a job whose params changed, and the same
+# tree run through a venv at another path (moved, or reached through a link) must not rerun its stages.
+shell.prefix(f"set -euo pipefail; export EVIDENT_PY={shlex.quote(sys.executable)}; ")
 PY = '"$EVIDENT_PY"'
 GIT = git_state(workflow.basedir)
 RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, resources or paths
