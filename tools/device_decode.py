@@ -143,16 +143,12 @@ def knockout(model, prompt: list[int]) -> None:
         model.graph_decode = None
         torch.cuda.empty_cache()
         dec = graph_decode.GraphDecode(model, "triton")
-        undo = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
-        for obj, attr, new in patches:
-            setattr(obj, attr, new)
-        model.graph_decode = dec
         ms = []
-        for batch in (1, 8):
-            tpot(model, batch, 8, prompt)  # captures
-            ms.append(replay_ms(dec, batch, len(prompt), 30))
-        for obj, attr, old in undo:
-            setattr(obj, attr, old)
+        with patched(patches):
+            model.graph_decode = dec
+            for batch in (1, 8):
+                tpot(model, batch, 8, prompt)  # captures
+                ms.append(replay_ms(dec, batch, len(prompt), 30))
         made.clear()
         rows.append((name, *ms))
     layers = len(model.layers)
@@ -203,17 +199,24 @@ def expert_parallel(a, prompt: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def knobs_set(settings: str):
-    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block; each put back by
-    mock.patch.object, the last set first (a constant set twice gets its value from before the first), on error too."""
+def patched(patches):
+    """(object, attribute, value) triples in force inside the block; each put back by mock.patch.object, the last set
+    first (an attribute set twice gets its value from before the first), on error too."""
     with contextlib.ExitStack() as stack:
-        for setting in filter(None, settings.split(",")):
-            name, value = setting.split("=", 1)
-            mod, const = name.rsplit(".", 1)
-            mod = importlib.import_module(f"kernels.{mod}")
-            value = type(getattr(mod, const))(ast.literal_eval(value))  # "False" is not bool("False")
-            stack.enter_context(mock.patch.object(mod, const, value))
+        for obj, attr, value in patches:
+            stack.enter_context(mock.patch.object(obj, attr, value))
         yield
+
+
+def knobs_set(settings: str):
+    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block (``patched``)."""
+    patches = []
+    for setting in filter(None, settings.split(",")):
+        name, value = setting.split("=", 1)
+        mod, const = name.rsplit(".", 1)
+        mod = importlib.import_module(f"kernels.{mod}")
+        patches.append((mod, const, type(getattr(mod, const))(ast.literal_eval(value))))  # "False" is not bool("False")
+    return patched(patches)
 
 
 def main() -> None:
