@@ -181,8 +181,10 @@ class GraphDecode(CapturedStep):
                 self.routes[i] = dict(shared=n_shared, remap=remap, method=moe.routing, n_group=moe.n_group or 1,
                                       topk_group=moe.topk_group or 1,
                                       bias=getattr(moe.gate, "e_score_correction_bias", None))
-        # the router's launch counts its programs in one of these (each back at zero after it), one a layer
+        # the router's launch counts its programs in one of these (each back at zero after it), one a layer; at
+        # batch 1 it publishes x through another (kernels/pdl.py's publish), so the shared experts start early
         self.counters = torch.zeros(len(model.layers), dtype=torch.int32, device=self.device)
+        self.ready = torch.zeros(len(model.layers), dtype=torch.int32, device=self.device)
         self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
         if self.ep is not None:
             self.ep.before_close(self.release)
@@ -225,14 +227,23 @@ class GraphDecode(CapturedStep):
         """The post-attention add and norm with the router (one launch), then (h + the MoE's output, its norm):
         routed and shared experts through the stacks."""
         w13, w2 = self.stacks[layer]
+        n_shared = self.routes[layer]["shared"]
+        # At batch 1 on one device the shared experts' gate/up programs need only x: they start once the router has
+        # published it, beside its logits and selection (engine/DECODE.md v23). Their output buffer is made before
+        # the router's launch, so that it cannot reuse memory the router's launch still reads.
+        ready = self.ready[layer:layer + 1] if h.shape[0] == 1 and n_shared and self.ep is None else None
+        out = None if ready is None else torch.empty(1, moe.top_k + n_shared, w13.shape[1] // 2, dtype=h.dtype,
+                                                     device=h.device)
         h, x, ids, weights = self.route.add_norm_route(h, attn, post.weight, post.eps, moe.gate.weight, moe.top_k,
                                                        moe.norm_topk_prob, moe.routed_scaling_factor,
-                                                       counter=self.counters[layer:layer + 1], **self.routes[layer])
+                                                       counter=self.counters[layer:layer + 1], ready=ready,
+                                                       **self.routes[layer])
         if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
             partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
             return self.norm.add_rms_norm(h, partial, after.weight, after.eps)
         pairs = self.moe.route(ids)  # sorted by expert once, for both kernels
-        y = self.moe.experts_down(self.moe.experts_gate_up(x, w13, ids, pairs), w2, ids, pairs)
+        shared = None if ready is None else (ready, n_shared)
+        y = self.moe.experts_down(self.moe.experts_gate_up(x, w13, ids, pairs, shared=shared, out=out), w2, ids, pairs)
         return self.norm.moe_add_rms_norm(h, y, weights, after.weight, after.eps)
 
 

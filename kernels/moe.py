@@ -55,14 +55,26 @@ def _clamp(gate, up, LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _row_kernel(inp, w, out, keys, order, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                LIMIT: tl.constexpr, PDL: tl.constexpr):
+                LIMIT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
     """B = 1. Program (n, j): weight rows n*BLOCK_N.. of pair p's expert against p's input row; p = j, or
-    order[j] if the pairs come sorted (keys are then the sorted ids)."""
-    pdl.wait(PDL)  # which weights to read is the router's output
+    order[j] if the pairs come sorted (keys are then the sorted ids). With SHARED, the last SHARED slots hold experts
+    e_shared.. (fixed: no id read) and their programs come first in the grid and start once ``ready`` says the
+    input is published (``pdl.wait_or_acquire``), not after the previous launch's end."""
     j = tl.program_id(1)
-    e = tl.load(keys + j)
+    if SHARED > 0:
+        slots = tl.num_programs(1)
+        j = (j + slots - SHARED) % slots
+        if j >= slots - SHARED:  # a shared expert's slot: what it reads is x only, published before the router's end
+            pdl.wait_or_acquire(ready, PDL)
+            e = (e_shared + j - (slots - SHARED)).to(tl.int64)
+        else:
+            pdl.wait(PDL)
+            e = tl.load(keys + j)
+    else:
+        pdl.wait(PDL)  # which weights to read is the router's output
+        e = tl.load(keys + j)
     p = tl.load(order + j) if SORTED else j.to(tl.int64)  # the flat pair index b*k + s: where the result goes
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rlive = rows < N
@@ -305,19 +317,22 @@ def route(ids):
     return None if ids.shape[0] == 1 else _route(ids)
 
 
-def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float = 0.0):
+def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float = 0.0, shared=None):
     """One launch of the experts kernel for out's B; returns Triton's compiled kernel (None under the
-    interpreter). At B = 1 route may be None (ids then given): pairs in their own order."""
+    interpreter). At B = 1 route may be None (ids then given): pairs in their own order; ``shared`` (ready, S): the
+    last S slots are the last S experts of w, started early (``_row_kernel``)."""
     B = out.shape[0]
     N, K = (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     if B == 1:
         keys, order = (ids.reshape(-1), None) if route is None else route
         block_n = min(INTERPRETER_BLOCK_N, triton.next_power_of_2(N)) if interpreting() else \
             (BLOCK_N if gated else DOWN_BLOCK_N)
+        ready, n_shared = shared or (keys, 0)  # keys: unread without SHARED
         return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
-            inp, w, out, keys, keys if order is None else order, DIV=slots if gated else 1, N=N, K=K, GATED=gated,
-            SORTED=order is not None, BLOCK_N=block_n, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)),
-            LIMIT=float(limit), num_warps=NUM_WARPS, **pdl.flags(w.device))
+            inp, w, out, keys, keys if order is None else order, ready, w.shape[0] - n_shared,
+            DIV=slots if gated else 1, N=N, K=K, GATED=gated, SORTED=order is not None, BLOCK_N=block_n,
+            BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), LIMIT=float(limit), SHARED=n_shared,
+            num_warps=NUM_WARPS, **pdl.flags(w.device))
     sorted_ids, order = route
     n_pairs = sorted_ids.numel()
     block_n = INTERPRETER_BLOCK_N if interpreting() else (DOT_BLOCK_N if gated else DOT_DOWN_BLOCK_N)
@@ -336,9 +351,9 @@ def _route_for(ids, pairs):
     return _route(ids) if pairs is None else pairs
 
 
-def _gate_up(x, w13, ids, route, limit: float = 0.0):
-    h = torch.empty(*ids.shape, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _launch(x, w13, h, route, ids.shape[1], True, ids, limit)
+def _gate_up(x, w13, ids, route, limit: float = 0.0, shared=None, out=None):
+    h = torch.empty(*ids.shape, w13.shape[1] // 2, dtype=x.dtype, device=x.device) if out is None else out
+    _launch(x, w13, h, route, ids.shape[1], True, ids, limit, shared)
     return h
 
 
@@ -348,15 +363,24 @@ def _down(h, w2, ids, route):
     return y
 
 
-def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0):
+def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0, shared=None, out=None):
     """h [B, k, I] in x's dtype: silu(gate rows @ x[b]) * (up rows @ x[b]) of expert ids[b, s], fp32 inside; rows
     of -1 ids unspecified. route: route(ids) if the caller has it (sort once for both calls), else made here.
-    limit > 0: the swiglu clamp first (gate at most limit, up within +-limit; DeepSeek-V4)."""
+    limit > 0: the swiglu clamp first (gate at most limit, up within +-limit; DeepSeek-V4).
+    shared (ready, S), B = 1: the caller's word that the last S slots of ids are w13's last S experts and that x
+    comes from ``route.add_norm_route(..., ready=ready)``: those slots start when x is published, before the
+    router's end. Their writes then overlap the router, so ``out`` (h's buffer) must be allocated before it."""
     _check_gate_up(x, w13, ids)
     _check_route(route, ids)
+    if shared is not None and (out is None or not 0 < shared[1] <= ids.shape[1]):
+        raise ValueError(f"shared slots need out= (allocated before the router) and 0 < S <= {ids.shape[1]}")
+    if out is not None and (tuple(out.shape) != (*ids.shape, w13.shape[1] // 2) or out.dtype != x.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"expected out {(*ids.shape, w13.shape[1] // 2)} {x.dtype}, contiguous, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if gate_up_reason(x, w13, ids):
-        return _gate_up_torch(x, w13, ids, limit)
-    return _gate_up(x, w13, ids, _route_for(ids, route), limit)
+        return out.copy_(_gate_up_torch(x, w13, ids, limit)) if out is not None else _gate_up_torch(x, w13, ids, limit)
+    return _gate_up(x, w13, ids, _route_for(ids, route), limit, shared if ids.shape[0] == 1 else None, out)
 
 
 def experts_down(h, w2, ids, route=None):

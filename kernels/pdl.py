@@ -15,6 +15,10 @@ kernel waits, the order of the stream holds transitively, as without PDL; a kern
         pdl.wait(PDL)
         ...
     k[grid](..., **pdl.flags(x.device))
+
+A launch may also hand part of its output over before its end (``publish``, ``wait_or_acquire``): the writing program
+stores it, sets a flag (release) and only then lets the next launch start, while the launch's other programs let it
+start at once; programs of the next launch that need only that part read the flag instead of waiting.
 """
 from __future__ import annotations
 
@@ -62,4 +66,46 @@ def wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "disabled", "flags", "wait"]
+@triton.jit
+def wait_only(PDL: tl.constexpr):
+    """Wait for the previous kernel, not yet letting the next one launch (``publish`` or ``launch_dependents`` does)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel launch (after ``wait_only``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _fence():
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [tl.full([1], 0, tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def publish(flag, PDL: tl.constexpr):
+    """After this program's stores: flag = 1 (release, GPU scope), then let the next launch start. A program of a
+    launch that waited with ``wait_only`` calls it once; the others call ``launch_dependents``, so the next launch's
+    programs start after the flag is set."""
+    tl.debug_barrier()  # every thread's stores before the release (kernels/_count.py's pattern)
+    tl.atomic_xchg(flag, 1, sem="release", scope="gpu")
+    launch_dependents(PDL)
+
+
+@triton.jit
+def wait_or_acquire(flag, PDL: tl.constexpr):
+    """For a program that reads only what the previous launch published: on at once if the flag reads 1 (an
+    acquire fence after it: the published stores are visible), else wait for that launch's end (``wait``)."""
+    if tl.load(flag, volatile=True) != 0:
+        if PDL:
+            _fence()
+            tl.extra.cuda.gdc_launch_dependents()
+    else:
+        wait(PDL)
+
+
+__all__ = ["ENABLED", "disabled", "flags", "launch_dependents", "publish", "wait", "wait_only", "wait_or_acquire"]

@@ -13,8 +13,10 @@ score kept, top-k inside them) and DeepSeek-V3's noaux_tc (sigmoid scores plus a
 groups ranked by the sum of their two best choices, the unbiased scores as weights); groups too rank with ties to
 the lowest index. ``add_norm_route`` also makes x itself, from the residual add and RMSNorm before the router
 (kernels/norm.py's add_rms_norm, the same roundings), still one launch at batch 1: the decode step's
-post-attention norm and its router. The gate logits' programs write fp32 partials; at batch 1 the last of them to
-finish (an atomic count) selects, above it a second launch selects each row (``ONE_LAUNCH_ROWS``: measured).
+post-attention norm and its router; there it can publish h' and x to the next launch before its own end
+(``ready``, kernels/pdl.py's publish), for the shared experts. The gate logits' programs write fp32 partials; at
+batch 1 the last of them to finish (an atomic count) selects, above it a second launch selects each row
+(``ONE_LAUNCH_ROWS``: measured).
 Launches, numerics, why: kernels/KERNELS.md, section "Router (`route.py`)".
 """
 from __future__ import annotations
@@ -160,23 +162,35 @@ def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, n
                   ADD_NORM: tl.constexpr, SELECT: tl.constexpr, BLOCK_ROW: tl.constexpr, N_SPLIT: tl.constexpr,
                   K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, E_PAD: tl.constexpr,
-                  SLOTS: tl.constexpr, PDL: tl.constexpr):
+                  SLOTS: tl.constexpr, ready, PUBLISH: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i and
     every row b (the weight tile loaded once for all rows); with ADD_NORM, x is made here from h + delta (as
     kernels/norm.py's add_rms_norm), and program (0, 0) writes h_out and x. With SELECT the last program to finish (a
-    counter, put back to 0 for the next launch) selects every row's experts from the partials: one launch, not two."""
+    counter, put back to 0 for the next launch) selects every row's experts from the partials: one launch, not two.
+    With PUBLISH, program (0, 0) publishes h_out and x (``pdl.publish`` on ready) before the next launch starts."""
     split = tl.program_id(1)
     es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ds = split * BLOCK_D + tl.arange(0, BLOCK_D)
     elive, dlive = es < E, ds < D
+    # the gate weight is no kernel's output: its load overlaps the previous kernel's tail
     wt = tl.load(w + es[:, None] * D + ds[None, :], mask=elive[:, None] & dlive[None, :], other=0.0).to(tl.float32)
-    pdl.wait(PDL)  # the gate weight is no kernel's output: its load overlaps the previous kernel's tail
     first = (tl.program_id(0) == 0) & (split == 0)
+    pdl.wait_only(PDL)
+    if PUBLISH:
+        if first:  # the flag says 1 only once this launch has published: a reader started before then waits
+            tl.atomic_xchg(ready, 0, sem="relaxed", scope="gpu")
+        else:  # the publisher lets the next launch start once x is stored
+            pdl.launch_dependents(PDL)
+    else:
+        pdl.launch_dependents(PDL)
     for b in tl.static_range(B):  # unrolled: every row's x loads are in flight at once
         if ADD_NORM:
             xb = _add_norm_slice(h, delta, norm_w, h_out, x, eps, b, ds, dlive, first, D, BLOCK_ROW)
         else:
             xb = tl.load(x + b * D + ds, mask=dlive, other=0.0).to(tl.float32)
+        if PUBLISH and b == B - 1:
+            if first:
+                pdl.publish(ready, PDL)
         tl.store(part + (split * B + b) * E + es, tl.sum(wt * xb[None, :], axis=1), mask=elive)
     if SELECT:
         if _count.last_to_arrive(count, tl.num_programs(0) * tl.num_programs(1)):
@@ -305,9 +319,9 @@ def _warps(D: int, E: int, add_norm: bool) -> tuple[int, int]:
 
 
 def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
-            counter, norm=None):
+            counter, norm=None, ready=None):
     """One launch (two above ONE_LAUNCH_ROWS rows) -> (ids, weights); ``norm`` (h, delta, norm_weight, eps, h_out): x
-    is made in the first (add_rms_norm)."""
+    is made in the first (add_rms_norm); ``ready``: published there (one launch and norm only)."""
     (B, D), E = x.shape, gate_weight.shape[0]
     block_e, block_d = min(BLOCK_E, triton.next_power_of_2(E)), min(BLOCK_D, triton.next_power_of_2(D))
     n_split = triton.cdiv(D, block_d)
@@ -334,7 +348,8 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
     _route_kernel[(triton.cdiv(E, block_e), n_split)](
         x, gate_weight, part, counter, *lookup, ids, weights, float(scaling), h, delta, norm_weight, h_out, float(eps),
         B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one,
-        BLOCK_ROW=triton.next_power_of_2(D), num_warps=warps, **select, **flags)
+        BLOCK_ROW=triton.next_power_of_2(D), ready=counter if ready is None else ready,  # unread without PUBLISH
+        PUBLISH=ready is not None, num_warps=warps, **select, **flags)
     if not one:
         _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select, num_warps=select_warps,
                              **flags)
@@ -358,21 +373,26 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob
 def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
                    remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
-                   bias: torch.Tensor | None = None, counter: torch.Tensor | None = None):
+                   bias: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                   ready: torch.Tensor | None = None):
     """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights): (h', x,
-    ids, weights), in one launch up to ONE_LAUNCH_ROWS rows, else as those two calls."""
+    ids, weights), in one launch up to ONE_LAUNCH_ROWS rows, else as those two calls. ``ready`` (int32 [1]): 1 once
+    that one launch has published h' and x to the next launch (``pdl.publish``: the next launch's programs start
+    after it), set to 0 on the other paths, which publish nothing early."""
     if delta.shape != h.shape:
         raise ValueError(f"h {tuple(h.shape)} and delta {tuple(delta.shape)} differ in shape")
     if norm.norm_reason(h, norm_weight) or dtype_reason("delta", delta.dtype) or device_reason(h, delta) \
             or not delta.is_contiguous() \
             or route_reason(h, gate_weight, top_k, shared, remap, method, n_group, topk_group, bias) \
             or h.shape[0] > ONE_LAUNCH_ROWS:
+        if ready is not None:
+            ready.zero_()
         h, x = norm.add_rms_norm(h, delta, norm_weight, eps)
         return h, x, *route(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
                             topk_group, bias, counter)
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     ids, weights = _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group,
-                           bias, counter, (h, delta, norm_weight, eps, h_out))
+                           bias, counter, (h, delta, norm_weight, eps, h_out), ready)
     return h_out, x, ids, weights
 
 

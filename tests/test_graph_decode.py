@@ -114,6 +114,20 @@ def test_shared_experts_are_the_last_slices_of_the_stacks(models):
         assert torch.equal(w2[e], sh.down_proj.weight[:, rows])
 
 
+def test_the_shared_experts_start_early_at_batch_1_only(models):
+    """At batch 1 every MoE layer's router publishes x (its layer's flag 1 after a step, kernels/pdl.py) for the
+    shared experts' programs to start before its end; above batch 1 nothing is published."""
+    _, _, fast = models
+    dec = fast.graph_decode
+    moe = [hasattr(layer.mlp, "experts") for layer in fast.layers]
+    assert any(moe) and MICRO["n_shared_experts"]
+    dec.ready.zero_()
+    generate(fast, [PROMPT] * 2, 2)
+    assert dec.ready.tolist() == [0] * len(moe)
+    generate(fast, [PROMPT], 2)
+    assert dec.ready.tolist() == [int(m) for m in moe]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_router_ids_map_to_this_ranks_stack_rows(rank):
     """Expert parallelism over 2 ranks, 4 routed experts and 3 shared slices: a rank's own experts map to its

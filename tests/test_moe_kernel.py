@@ -222,6 +222,53 @@ def test_inadmissible_inputs_fall_back(gen, monkeypatch):
     assert "device cpu" in moe.moe_reason(x.cpu(), w13.cpu(), w2.cpu(), ids.cpu())
 
 
+@pytest.mark.parametrize("published", [1, 0])
+def test_shared_slots_started_early_compute_the_same(published, gen):
+    """At B = 1 with ``shared``, the last S slots are the stack's last S experts, read with no id, their programs first
+    in the grid and started once the router has published x (ready 1) or after its end (ready 0): h the same bits as
+    the plain launch's either way, written into the buffer given."""
+    D, I, E, k = ROWS
+    S = 2
+    x, w13, _, _, _ = problem(1, D, I, E + S, k, torch.bfloat16, gen)
+    routed = torch.randperm(E, generator=gen, device=DEV)[:k]
+    ids = torch.cat([routed, torch.arange(E, E + S, device=DEV)])[None]
+    plain = moe.experts_gate_up(x, w13, ids)
+    out = torch.full_like(plain, float("nan"))
+    ready = torch.tensor([published], dtype=torch.int32, device=DEV)
+    got = moe.experts_gate_up(x, w13, ids, shared=(ready, S), out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, plain)
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
+def test_shared_slots_started_early_read_this_step_s_x_in_a_graph(gen):
+    """The router's launch, then gate_up with its shared slots started early, captured in a CUDA graph (the decode
+    step's order, under programmatic dependent launch) and replayed on a fresh residual each time: h the same bits as
+    gate_up's after the router's end. A shared slot that read x before the router published it would read the last
+    replay's x."""
+    from kernels import route
+
+    D, I, E, k = FULL
+    S = 2
+    x, w13, _, _, _ = problem(1, D, I, E + S, k, torch.bfloat16, gen)
+    h, delta = torch.randn(2, 1, D, generator=gen, device=DEV).to(torch.bfloat16)
+    norm_w = (torch.rand(D, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    gate = torch.randn(E, D, generator=gen, device=DEV) * D**-0.5
+    counter, ready = torch.zeros(2, 1, dtype=torch.int32, device=DEV)
+    out = torch.empty(1, k + S, I, dtype=torch.bfloat16, device=DEV)  # made before the router's launch
+
+    def step():
+        _, x, ids, _ = route.add_norm_route(h, delta, norm_w, 1e-6, gate, k, True, 1.0, shared=S, counter=counter,
+                                            ready=ready)
+        return x, ids, moe.experts_gate_up(x, w13, ids, shared=(ready, S), out=out)
+
+    graph, (x, ids, got) = capture(step)
+    for _ in range(20):
+        h.copy_(torch.randn(1, D, generator=gen, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, moe.experts_gate_up(x, w13, ids))
+
+
 def test_shape_errors_are_errors_not_fallbacks(gen):
     D, I, E, k = SMALL
     x, w13, w2, ids, weights = problem(3, D, I, E, k, torch.float32, gen)
@@ -235,6 +282,8 @@ def test_shape_errors_are_errors_not_fallbacks(gen):
         lambda: moe.moe_experts(x, w13, w2[:, :-1], ids, weights),  # w2 not [E, D, I]
         lambda: moe.moe_experts(x, w13, w2, ids, weights[:, :-1]),  # weights not [B, k]
         lambda: moe.moe_reference(x, w13, w2, ids, weights[:2]),
+        lambda: moe.experts_gate_up(x, w13, ids, shared=(ids, 1)),  # early shared slots with no buffer made before
+        lambda: moe.experts_gate_up(x, w13, ids, out=torch.empty(3, k, I + 1, device=DEV)),  # a buffer of other rows
     ]
     for call in bad:
         with pytest.raises(ValueError):

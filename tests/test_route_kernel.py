@@ -97,6 +97,22 @@ def test_add_norm_route_is_the_norm_then_the_router_in_one_launch(shape, dtype, 
     assert_routes(apart[2:], reference(two[1], w, k, True, SCALING), k)
 
 
+def test_add_norm_route_publishes_x_at_batch_1_only(gen):
+    """With ``ready``: 1 after the one launch at batch 1 (h' and x published to the next launch before its end,
+    kernels/pdl.py's publish), the results the same bits as without it; 0 after the two calls above batch 1 (nothing
+    published early), whatever it held before."""
+    D, E, k = ROWS
+    for B, published in ((1, 1), (5, 0)):
+        h, w = problem(B, D, E, torch.bfloat16, gen)
+        delta = torch.randn(B, D, generator=gen, device=DEV).to(torch.bfloat16)
+        norm_w = (torch.rand(D, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+        ready = torch.full((1,), 1 - published, dtype=torch.int32, device=DEV)
+        got = rt.add_norm_route(h, delta, norm_w, 1e-6, w, k, True, SCALING, shared=2, ready=ready)
+        assert ready.item() == published, B
+        for a, b in zip(got, rt.add_norm_route(h, delta, norm_w, 1e-6, w, k, True, SCALING, shared=2)):
+            assert torch.equal(a, b)
+
+
 def test_one_launch_and_two_select_the_same(gen, monkeypatch):
     """The selection by the last logits program (batch 1 in the decode step) and by a launch of its own (above it)
     give the same bits from the same x; with the norm in the launch, the routes are those of the x it made (which may
