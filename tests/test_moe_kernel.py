@@ -249,7 +249,7 @@ def test_shared_slots_started_early_read_this_step_s_x_in_a_graph(gen):
 
     D, I, E, k = FULL
     S = 2
-    x, w13, _, _, _ = problem(1, D, I, E + S, k, torch.bfloat16, gen)
+    _, w13, _, _, _ = problem(1, D, I, E + S, k, torch.bfloat16, gen)
     h, delta = torch.randn(2, 1, D, generator=gen, device=DEV).to(torch.bfloat16)
     norm_w = (torch.rand(D, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
     gate = torch.randn(E, D, generator=gen, device=DEV) * D**-0.5
