@@ -63,15 +63,14 @@ def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N:
     e_shared.. (fixed: no id read) and their programs come first in the grid and start once ``ready`` says the
     input is published (``pdl.wait_or_acquire``), not after the previous launch's end."""
     j = tl.program_id(1)
+    first_shared = tl.num_programs(1) - SHARED
+    fixed = False
     if SHARED > 0:
-        slots = tl.num_programs(1)
-        j = (j + slots - SHARED) % slots
-        if j >= slots - SHARED:  # a shared expert's slot: what it reads is x only, published before the router's end
-            pdl.wait_or_acquire(ready, PDL)
-            e = (e_shared + j - (slots - SHARED)).to(tl.int64)
-        else:
-            pdl.wait(PDL)
-            e = tl.load(keys + j)
+        j = (j + first_shared) % tl.num_programs(1)
+        fixed = j >= first_shared
+    if fixed:  # a shared expert's slot: what it reads is x only, published before the router's end
+        pdl.wait_or_acquire(ready, PDL)
+        e = (e_shared + j - first_shared).to(tl.int64)
     else:
         pdl.wait(PDL)  # which weights to read is the router's output
         e = tl.load(keys + j)
@@ -379,7 +378,8 @@ def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0, shared=None, ou
         raise ValueError(f"expected out {(*ids.shape, w13.shape[1] // 2)} {x.dtype}, contiguous, got "
                          f"{tuple(out.shape)} {out.dtype}")
     if gate_up_reason(x, w13, ids):
-        return out.copy_(_gate_up_torch(x, w13, ids, limit)) if out is not None else _gate_up_torch(x, w13, ids, limit)
+        h = _gate_up_torch(x, w13, ids, limit)
+        return h if out is None else out.copy_(h)
     return _gate_up(x, w13, ids, _route_for(ids, route), limit, shared if ids.shape[0] == 1 else None, out)
 
 

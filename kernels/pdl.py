@@ -59,14 +59,6 @@ def disabled():
 
 
 @triton.jit
-def wait(PDL: tl.constexpr):
-    """Wait for the previous kernel (its writes visible), then let the next one launch."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def wait_only(PDL: tl.constexpr):
     """Wait for the previous kernel, not yet letting the next one launch (``publish`` or ``launch_dependents`` does)."""
     if PDL:
@@ -78,6 +70,13 @@ def launch_dependents(PDL: tl.constexpr):
     """Let the next kernel launch (after ``wait_only``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (its writes visible), then let the next one launch."""
+    wait_only(PDL)
+    launch_dependents(PDL)
 
 
 @triton.jit
@@ -103,9 +102,9 @@ def wait_or_acquire(flag, PDL: tl.constexpr):
     if tl.load(flag, volatile=True) != 0:
         if PDL:
             _fence()
-            tl.extra.cuda.gdc_launch_dependents()
     else:
-        wait(PDL)
+        wait_only(PDL)
+    launch_dependents(PDL)
 
 
 __all__ = ["ENABLED", "disabled", "flags", "launch_dependents", "publish", "wait", "wait_only", "wait_or_acquire"]
