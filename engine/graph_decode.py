@@ -232,8 +232,7 @@ class GraphDecode(CapturedStep):
         # published it, beside its logits and selection (engine/DECODE.md v23). Their output buffer is made before
         # the router's launch, so that it cannot reuse memory the router's launch still reads.
         ready = self.ready[layer:layer + 1] if h.shape[0] == 1 and n_shared and self.ep is None else None
-        out = None if ready is None else torch.empty(1, moe.top_k + n_shared, w13.shape[1] // 2, dtype=h.dtype,
-                                                     device=h.device)
+        out = None if ready is None else self.moe.gate_up_out(h, w13, moe.top_k + n_shared)  # x is h's shape and dtype
         h, x, ids, weights = self.route.add_norm_route(h, attn, post.weight, post.eps, moe.gate.weight, moe.top_k,
                                                        moe.norm_topk_prob, moe.routed_scaling_factor,
                                                        counter=self.counters[layer:layer + 1], ready=ready,

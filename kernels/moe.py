@@ -350,8 +350,14 @@ def _route_for(ids, pairs):
     return _route(ids) if pairs is None else pairs
 
 
+def gate_up_out(x, w13, slots: int) -> torch.Tensor:
+    """h's buffer for ``experts_gate_up`` of x's rows, ``slots`` a row: its ``out=``, made before the router's launch
+    when the shared slots start early."""
+    return torch.empty(x.shape[0], slots, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+
+
 def _gate_up(x, w13, ids, route, limit: float = 0.0, shared=None, out=None):
-    h = torch.empty(*ids.shape, w13.shape[1] // 2, dtype=x.dtype, device=x.device) if out is None else out
+    h = gate_up_out(x, w13, ids.shape[1]) if out is None else out
     _launch(x, w13, h, route, ids.shape[1], True, ids, limit, shared)
     return h
 
@@ -408,5 +414,5 @@ def moe_experts(x, w13, w2, ids, weights, route=None, limit: float = 0.0):
     return out
 
 
-__all__ = ["MAX_B", "route", "experts_gate_up", "experts_down", "moe_experts", "moe_reference", "moe_reason",
-           "gate_up_reason", "down_reason"]
+__all__ = ["MAX_B", "route", "experts_gate_up", "gate_up_out", "experts_down", "moe_experts", "moe_reference",
+           "moe_reason", "gate_up_reason", "down_reason"]
