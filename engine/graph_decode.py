@@ -7,7 +7,8 @@ launch (``kernels.pdl``) so that it overlaps the tail of the one before:
   tensor cores at 2-16 rows), ``kernels.mla.mla_decode`` (three launches: the latent's RMSNorm, rope of k and q and
   the cache write riding with the query's absorption; MLA in the latent space: kv_b_proj's up-projections absorbed
   into the query and the output, so attention reads the compressed cache itself, kv_lora_rank + rope dims per token,
-  up to each row's position), o_proj (the same kernels);
+  up to each row's position; at batch 1 its last launch asks the next layer's q and kv_a weights into L2), o_proj
+  (the same kernels);
 - the residual add with the RMSNorm after it (``kernels.norm``), before a MoE in one launch with its router
   (``kernels.route.add_norm_route``: fp32 logits, softmax, top-k);
 - the MoE: the routed pairs sorted by expert, and
@@ -221,7 +222,15 @@ class GraphDecode(CapturedStep):
         w_kv = attn.kv_b_proj.weight.view(attn.n_heads, attn.nope + attn.v_dim, attn.kv_lora_rank)
         return attn.o_proj(self.mla.mla_decode(q, kv_a, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps,
                                                self.inv_freq, self.model.attention_scaling, w_kv, cache.kv, cache.pe,
-                                               layer, pos, attn.scale))
+                                               layer, pos, attn.scale, ahead=self._ahead(layer, x.shape[0])))
+
+    def _ahead(self, layer: int, rows: int) -> tuple[torch.Tensor, ...]:
+        """At batch 1, the next layer's q and kv_a projection weights, for this layer's attention to ask into L2 while
+        HBM is idle (engine/DECODE.md v25; at batch 8 it made the step slower)."""
+        if rows != 1 or layer + 1 >= len(self.model.layers):
+            return ()
+        attn = self.model.layers[layer + 1].self_attn
+        return attn.q_in.weight, attn.kv_a_proj_with_mqa.weight
 
     def _moe(self, moe: MoE, h: torch.Tensor, attn: torch.Tensor, post, layer: int, after):
         """The post-attention add and norm with the router (one launch), then (h + the MoE's output, its norm):

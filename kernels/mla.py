@@ -6,8 +6,9 @@
 - ``mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)`` -> out [B, H*v] in q's dtype: row b's heads
   over positions 0..pos[b] of cache row b, w_kv [H, nope + v, R] holding W_UK and W_UV; fp32 inside, rounded
   once. Three launches.
-- ``mla_decode(q, kv_a, norm_weight, eps, inv_freq, scaling, w_kv, cache_kv, cache_pe, layer, pos, scale)``: the two
-  above in order, the same results, in three launches: the cache write runs as extra programs of the first.
+- ``mla_decode(q, kv_a, norm_weight, eps, inv_freq, scaling, w_kv, cache_kv, cache_pe, layer, pos, scale, ahead=())``:
+  the two above in order, the same results, in three launches: the cache write runs as extra programs of the first;
+  the last asks ``ahead``'s weights (a later launch's) into L2.
 One dtype (fp16/bf16/fp32) for q, kv_a, weights and caches; pos int32/int64, each in [0, L) (the device cannot
 check it). Inadmissible inputs (``cache_write_reason``, ``mla_reason``) take the torch path, which computes the
 same maths; wrong shapes raise ValueError. Contract, launches, measurements: kernels/KERNELS.md, section
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import _l2, pdl
 from ._admit import device_reason, dtype_reason, interpreting
 
 # Limits of what was compiled for sm_90 and fits (no spills; shared memory 135 KB in fp32, 72 KB in bf16):
@@ -186,12 +187,14 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part,
 
 @triton.jit
 def _out_kernel(w_kv, o_part, ml_part, out, H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-                SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+                SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
+                r0, n0, r1, n1, N: tl.constexpr, THREADS: tl.constexpr, CHUNK0: tl.constexpr, CHUNK1: tl.constexpr):
     """Program (b, h, j): o_lat[b, h] from the chunks' partials (rescaled to their common max, summed in ascending
     chunk order, divided by the rescaled sum of l), then out[b, h*V + j*BLOCK_V + i] = W_UV[h][that row] . o_lat,
-    rounded once."""
+    rounded once. First it asks its share of the ``ahead`` weights into L2 (kernels/_l2.py)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    _l2.ask(r0, n0, r1, n1, (b * H + h) * tl.num_programs(2) + tl.program_id(2), N, THREADS, CHUNK0, CHUNK1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     vm = v < V
     r = tl.arange(0, BLOCK_R)
@@ -352,10 +355,10 @@ def _launch_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache
         **pdl.flags(q.device))
 
 
-def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write=None):
+def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write=None, ahead=()):
     """Three launches through fp32 scratch (q_lat [B, H, R], the chunks' partials); ``write`` (kv_a, norm_weight, eps,
-    inv_freq, scaling): mla_cache_write's work too, in the first. Returns Triton's compiled kernels in launch order
-    (Nones under the interpreter)."""
+    inv_freq, scaling): mla_cache_write's work too, in the first; ``ahead``: weights the third asks into L2. Returns
+    Triton's compiled kernels in launch order (Nones under the interpreter)."""
     B, H, hd = q.shape
     layers, rows, L, R = cache_kv.shape
     Dr = cache_pe.shape[-1]
@@ -380,9 +383,10 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write
         q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
         L=L, CHUNK=chunk, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L,
         L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
-    k3 = _out_kernel[(B, H, triton.cdiv(V, slice_v))](
+    grid = (B, H, triton.cdiv(V, slice_v))
+    k3 = _out_kernel[grid](
         w_kv, o_part, ml_part, out, H=H, NOPE=nope, R=R, V=V, SPLITS=splits, BLOCK_R=block_r, BLOCK_V=slice_v,
-        num_warps=SLICE_WARPS, **flags)
+        num_warps=SLICE_WARPS, **_l2.args(ahead, B * H * grid[2], SLICE_WARPS, out), **flags)
     return [k1, k2, k3]
 
 
@@ -412,14 +416,17 @@ def _attention_out(q, w_kv, cache_pe) -> torch.Tensor:
 
 
 def mla_decode(q, kv_a, norm_weight, eps: float, inv_freq, scaling: float, w_kv, cache_kv, cache_pe, layer: int, pos,
-               scale: float) -> torch.Tensor:
-    """mla_cache_write then mla_attention, the same results, in three launches (the write rides with the first)."""
+               scale: float, ahead=()) -> torch.Tensor:
+    """mla_cache_write then mla_attention, the same results, in three launches (the write rides with the first).
+    ``ahead``: up to two weight tensors of a later launch (the next layer's projections) that the last launch's
+    programs ask into L2, to stay there, before their wait (kernels/_l2.py); no value changes."""
     if cache_write_reason(q, kv_a, norm_weight, inv_freq, pos, cache_kv, cache_pe, layer) \
             or mla_reason(q, w_kv, cache_kv, cache_pe, layer, pos):
         mla_cache_write(q, kv_a, norm_weight, eps, inv_freq, scaling, pos, cache_kv, cache_pe, layer)
         return mla_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale)
     out = _attention_out(q, w_kv, cache_pe)
-    _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, (kv_a, norm_weight, eps, inv_freq, scaling))
+    _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, (kv_a, norm_weight, eps, inv_freq, scaling),
+                      ahead)
     return out
 
 

@@ -91,10 +91,14 @@ def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N:
         kin = kk < K
         wmask = rlive[:, None] & kin[None, :]
         xk = tl.load(inp + src * K + kk, mask=kin, other=0.0).to(tl.float32)
-        wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
+        # evict_first: read once a step, the experts' bytes should not push out of L2 what was asked to stay there
+        # (the next layer's projections, kernels/_l2.py)
+        wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         acc_a += tl.sum(wa * xk[None, :], axis=1)
         if GATED:
-            wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0).to(tl.float32)
+            wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)
             acc_b += tl.sum(wb * xk[None, :], axis=1)
     if GATED:
         acc_a, acc_b = _clamp(acc_a, acc_b, LIMIT)

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import ModelArgs
 from engine.model import LatentCache, RMSNorm, Transformer, apply_rope, project_pair
-from kernels import mla
+from kernels import _l2, mla
 from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
@@ -255,17 +255,20 @@ def test_kernels_reproduce_the_einsum_attention_of_a_tiny_model(q_lora_rank):
 @pytest.mark.parametrize("B", BATCHES)
 def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, gen):
     """mla_decode (the cache write riding with the first attention launch) against mla_cache_write then
-    mla_attention: the same arithmetic, so the same bits in the output, the caches and q; and where the kernels do not
-    admit the inputs (a latent wider than they hold), the same torch path as the two calls."""
+    mla_attention: the same arithmetic, so the same bits in the output, the caches and q, also while its last launch
+    asks a later launch's weights into L2 (``ahead``); and where the kernels do not admit the inputs (a latent wider
+    than they hold), the same torch path as the two calls."""
     S = SHAPE
     q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(B, dtype, gen)
     kv_a = rand(gen, B, S["R"] + S["DR"], dtype=dtype, scale=3.0)
     norm_w, inv_freq = (rand(gen, S["R"], scale=0.5) + 1).to(dtype), inv_freq_of(S["DR"])
+    later = (rand(gen, 3 * S["R"], S["R"], dtype=dtype), rand(gen, 7, 40, dtype=dtype))  # a later launch's weights
 
-    def run(fused):
+    def run(fused, ahead=()):
         t = [x.clone() for x in (q, cache_kv, cache_pe)]
         if fused:
-            out = mla.mla_decode(t[0], kv_a, norm_w, 1e-6, inv_freq, 1.13, w_kv, t[1], t[2], LAYER, pos, scale)
+            out = mla.mla_decode(t[0], kv_a, norm_w, 1e-6, inv_freq, 1.13, w_kv, t[1], t[2], LAYER, pos, scale,
+                                 ahead=ahead)
         else:
             mla.mla_cache_write(t[0], kv_a, norm_w, 1e-6, inv_freq, 1.13, pos, t[1], t[2], LAYER)
             out = mla.mla_attention(t[0], w_kv, t[1], t[2], LAYER, pos, scale)
@@ -273,8 +276,8 @@ def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, gen)
 
     apart = run(False)
     assert not torch.equal(apart[1], q)  # the rope part turned
-    for mine, theirs in zip(run(True), apart):
-        assert torch.equal(mine, theirs)
+    for mine, asking, theirs in zip(run(True), run(True, later), apart):
+        assert torch.equal(mine, theirs) and torch.equal(asking, theirs)
     assert_attention_close(apart[0], reference(apart[1], w_kv, apart[2], apart[3], pos, scale), dtype)
     with pytest.MonkeyPatch.context() as mp:  # the torch path, for both: the same bits again (the kernels' own
         # results differ from it by the interpreter's bf16 truncation, amplified by the softmax in places)
@@ -346,6 +349,23 @@ def test_shape_errors_are_errors(gen):
     for call in bad:
         with pytest.raises(ValueError):
             call()
+
+
+@pytest.mark.skipif(not CUDA, reason="the prefetch is issued on a GPU only")
+def test_ahead_asks_for_what_a_bulk_prefetch_can_take(monkeypatch):
+    """kernels/_l2.args: contiguous tensors at 16-byte addresses and sizes, at most two, each split into 16-byte chunks
+    that cover it over the launch's threads; nothing under the interpreter, which cannot run the prefetch."""
+    w = torch.zeros(1000, 64, dtype=torch.bfloat16, device=DEV)
+    flat = w.view(-1)
+    ok = flat[8:-8]  # 16 bytes in, 16-byte sized
+    args = _l2.args((w[:, ::2], flat[1:129], ok, w, flat[:64]), programs=3, warps=4, fallback=w)
+    assert args["N"] == 2 and (args["n0"], args["n1"]) == (ok.nbytes, w.nbytes)
+    assert args["r0"].data_ptr() == ok.data_ptr() and args["r1"].data_ptr() == w.data_ptr()
+    for n, chunk in ((args["n0"], args["CHUNK0"]), (args["n1"], args["CHUNK1"])):
+        assert chunk % 16 == 0 and n <= 3 * args["THREADS"] * chunk < n + 3 * args["THREADS"] * 16
+    assert _l2.args((w[:, ::2], flat[1:129]), programs=3, warps=4, fallback=w)["N"] == 0
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _l2.args((w,), programs=3, warps=4, fallback=w)["N"] == 0
 
 
 # ---- CUDA graphs --------------------------------------------------------------------------------------------------
