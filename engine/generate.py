@@ -5,7 +5,7 @@ row of the cache with its own length), then all unfinished rows decode together,
 (``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``). Each step is launched
 before the last one's tokens reach the host, its input the last one's picks on the device: on the graph path the
 device does not wait for the host between steps (engine/DECODE.md measures what that wait cost; the eager forward
-synchronises inside each step anyway).
+synchronises inside each step anyway), and the picks are made and written as the next inputs inside the captured step.
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_kernels import picks
 from .model import LatentCache, Transformer
 from .parallel import BACKENDS, init_from_env
 
@@ -34,19 +35,6 @@ MAX_BATCH = 8
 class Generation:
     tokens: list[list[int]]  # per row: generated ids only (EOS included when emitted)
     margins: list[list[float]]  # per row, per step: top1 - top2 fp32 logit of the engine
-
-
-def _picks(logits: torch.Tensor, kernel=None, counter=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy over fp32 logits [B, V], on their device: ids [B] by argmax (first max on ties) and the top1 - top2
-    margins [B] fp32; ``kernel`` (kernels.argmax.pick_batch, ``counter`` its scratch) the same in one launch."""
-    if kernel is not None:
-        return kernel(logits, fallback=lambda: _picks(logits), counter=counter)
-    logits = logits.float()
-    ids = torch.argmax(logits, dim=-1)
-    if logits.shape[-1] > 1:
-        top2 = torch.topk(logits, 2, dim=-1).values
-        return ids, top2[:, 0] - top2[:, 1]
-    return ids, torch.full(ids.shape, float("inf"), device=logits.device)
 
 
 def _check_batch(prompts) -> None:
@@ -131,16 +119,20 @@ class Rows:
     position 0 and its results never read, so it can never run past the cache. Made and used under
     ``torch.inference_mode`` (a graph path's caches are made in it and reused).
 
-    Each slot's next input token stays on the device (``inputs``), where the step's own picks write it: ``launch``
-    starts a step without waiting for the one before it to reach the host, so the host's work on step k's tokens
-    overlaps step k + 1 on the device, and the device does not wait on the host between steps (``finish`` takes the
-    tokens; a step launched for a row that has left since is dropped)."""
+    Each slot's next input token stays on the device (``inputs``), where the step's own picks write it (on the graph
+    path the step's own buffer, written inside the captured step: between replays only the picks' copies to the host
+    run outside it): ``launch`` starts a step without waiting for the one before it to reach the host, so the host's
+    work on step k's tokens overlaps step k + 1 on the device, and the device does not wait on the host between steps
+    (``finish`` takes the tokens; a step launched for a row that has left since is dropped)."""
 
     def __init__(self, model: Transformer, slots: int, max_len: int):
         self.model = model
         self.cache = _cache(model, slots, max_len)
         self.device = model.embed_tokens.weight.device
-        self.inputs = torch.zeros(slots, dtype=torch.long, device=self.device)  # each slot's next input token
+        graph = model.graph_decode
+        # each slot's next input token: on the graph path the buffer the step reads and writes its picks to
+        self.inputs = (graph.inputs(self.cache) if graph is not None
+                       else torch.zeros(slots, dtype=torch.long, device=self.device))
         self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # the pick kernel's
         self.live = [False] * slots
         self.joined = [0] * slots  # rows joined at each slot so far
@@ -190,7 +182,7 @@ class Rows:
 
     def _pick(self, slots: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The greedy picks of these slots (ids, margins on the device), written as their next inputs."""
-        ids, margins = _picks(logits, self.model.pick_kernel, self.counter)
+        ids, margins = picks(logits, self.model.pick_kernel, self.counter)
         self.inputs[self._index(slots)] = ids
         return ids, margins
 
@@ -218,7 +210,15 @@ class Rows:
     def launch(self) -> Launched:
         """One batched decode step whose picks feed the next step on the device; ``finish`` hands them over."""
         live, logits = self.step()
-        ids, margins = self._pick(live, logits)
+        graph = self.model.graph_decode
+        # on the graph path picked in the step and written as the next inputs there; an idle slot's pick overwrites
+        # its input too, harmless: its results are never read, and a joining row's first token is written by advance
+        if graph is not None:
+            ids, margins = graph.picks(self.cache, self.width)
+            if len(live) < self.width:
+                ids, margins = (t.index_select(0, self._index(live)) for t in (ids, margins))
+        else:
+            ids, margins = self._pick(live, logits)
         cuda = self.device.type == "cuda"
         out = Launched(live, [self.joined[s] for s in live], ids.to("cpu", non_blocking=cuda),
                        margins.to("cpu", non_blocking=cuda), torch.cuda.Event() if cuda else None)

@@ -29,6 +29,8 @@ false) has its rope rows permuted into interleaved pairs first (``_interleave_ro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -96,11 +98,23 @@ def _interleave_rope(model: Transformer) -> None:
         attn.rope_interleave = True
 
 
+@dataclass
+class Held:
+    """A cache the path keeps, with each of its rows' next input token and the state of each width stepped."""
+    cache: object
+    inputs: torch.Tensor  # [rows] int64 on the cache's device: the token each row's next step reads
+    widths: dict = field(default_factory=dict)  # B -> {"graph", "logits", "ids", "margins", "counter"}
+
+
 class CapturedStep:
     """A decode step of the first B rows of a cache, captured once per (rows, max_len) cache and B in a CUDA graph
     and replayed (run eagerly without CUDA: ``graphs`` false); the ``MAX_CACHES`` caches used last are kept.
     Subclasses set ``model``, ``graphs`` and ``caches = {}`` and give ``_step(cache, tokens)``; ``generate`` asks for a
-    cache and steps through it."""
+    cache and steps through it.
+
+    The step reads each row's input token from the cache's ``inputs`` buffer and ends with the greedy pick of each
+    row (``picks``), written back there as that row's next input: ``generate.Rows`` steps on that buffer, so between
+    two replays nothing but the picks' copies to the host runs outside the graph."""
 
     bucket = 1  # cache lengths rounded up to a multiple of it: fewer shapes to capture (and compile)
     # Caches kept, with their graphs: a server's batches ask for a new (rows, length) almost every time, and each
@@ -109,19 +123,20 @@ class CapturedStep:
 
     def cache(self, rows: int, max_len: int):
         """A cache of ``rows`` rows, reused across calls of the same shape (a captured graph holds its
-        addresses), emptied (``reset``). Asking for it makes it the most recently used."""
+        addresses), emptied (``reset``, its inputs zero). Asking for it makes it the most recently used."""
         key = (rows, -(-max_len // self.bucket) * self.bucket)  # the rounded length, which step() reads back
         if key not in self.caches:
             while len(self.caches) >= self.MAX_CACHES:
                 self._drop(next(iter(self.caches)))
-            self.caches[key] = (self.model.new_cache(*key), {})
-        self.caches[key] = self.caches.pop(key)  # last in the dict's order: the most recently used
-        cache = self.caches[key][0]
-        cache.reset()
-        return cache
+            cache = self.model.new_cache(*key)
+            self.caches[key] = Held(cache, torch.zeros(rows, dtype=torch.long, device=cache.lengths.device))
+        self.caches[key] = held = self.caches.pop(key)  # last in the dict's order: the most recently used
+        held.cache.reset()
+        held.inputs.zero_()
+        return held.cache
 
     def _drop(self, key) -> None:
-        for state in self.caches.pop(key)[1].values():
+        for state in self.caches.pop(key).widths.values():
             if "graph" in state:  # not where its capture failed
                 state["graph"].reset()
 
@@ -130,24 +145,59 @@ class CapturedStep:
         while self.caches:
             self._drop(next(iter(self.caches)))
 
+    def _held(self, cache, what: str) -> Held:
+        held = self.caches.get((cache.lengths.shape[0], cache.max_len))
+        if held is None or held.cache is not cache:
+            raise ValueError(f"{what}: the cache must come from this graph path's cache(): its graph holds that one")
+        return held
+
+    def inputs(self, cache) -> torch.Tensor:
+        """The input token of each of the cache's rows [rows] int64, which its next step reads: ``step`` writes each
+        row's greedy pick there, and a caller may write a row's (``generate.Rows``: a joining row's first token)."""
+        return self._held(cache, "inputs").inputs
+
+    def picks(self, cache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [width] int64, margins [width] fp32): the greedy picks of the last ``step`` of ``width`` rows through
+        this cache, the step's own tensors (rewritten by every step of that width)."""
+        state = self._held(cache, "picks").widths[width]
+        return state["ids"], state["margins"]
+
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (one per cache row of the first B) -> logits [B, vocab]; each of them advances one position."""
+        """tokens [B] (one per cache row of the first B) -> logits [B, vocab]; each of them advances one position, and
+        its greedy pick becomes its next input (``inputs``, ``picks``)."""
+        held = self._held(cache, "step")
+        inputs = held.inputs[:tokens.shape[0]]
+        if tokens.data_ptr() != inputs.data_ptr():  # given apart (``forced``): into the buffer the graph reads
+            inputs.copy_(tokens)
+        state = held.widths.setdefault(tokens.shape[0], {})  # a graph for each width stepped
+        if "counter" not in state:  # the pick kernel's scratch, back at zero after each launch
+            state["counter"] = torch.zeros(1, dtype=torch.int32, device=inputs.device)
         if not self.graphs:
-            return self._step(cache, tokens)
-        key = (cache.lengths.shape[0], cache.max_len)
-        if key not in self.caches or self.caches[key][0] is not cache:
-            raise ValueError("step: the cache must come from this graph path's cache(): its graph holds that one")
-        state = self.caches[key][1].setdefault(tokens.shape[0], {})  # a graph for each width stepped
+            state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"])
+            return state["logits"]
         if "graph" not in state:
             from kernels.graphs import capture
 
-            state["tokens"] = tokens.clone()
-            lengths = cache.lengths.clone()  # the warm-up step advances every row: put back before the capture
-            state["graph"], state["logits"] = capture(lambda: self._step(cache, state["tokens"]),
-                                                      undo=lambda: cache.lengths.copy_(lengths))
-        state["tokens"].copy_(tokens)
+            # the warm-up step advances every row and writes its picks over the inputs: both put back before the
+            # capture, or the first replay would step from the warm-up's positions and tokens
+            lengths, given = cache.lengths.clone(), inputs.clone()
+
+            def undo():
+                cache.lengths.copy_(lengths)
+                inputs.copy_(given)
+
+            state["graph"], (state["logits"], state["ids"], state["margins"]) = capture(
+                lambda: self._step_pick(cache, inputs, state["counter"]), undo=undo)
         state["graph"].replay()
         return state["logits"]
+
+    def _step_pick(self, cache, inputs: torch.Tensor, counter: torch.Tensor):
+        """The step from ``inputs`` [B], then each row's greedy pick written over its input -> (logits, ids,
+        margins)."""
+        logits = self._step(cache, inputs)
+        ids, margins = decode_kernels.picks(logits, self.model.pick_kernel, counter)
+        inputs.copy_(ids)  # each row's pick is its next input
+        return logits, ids, margins
 
 
 class GraphDecode(CapturedStep):
@@ -186,7 +236,7 @@ class GraphDecode(CapturedStep):
         # batch 1 it publishes x through another (kernels/pdl.py's publish), so the shared experts start early
         self.counters = torch.zeros(len(model.layers), dtype=torch.int32, device=self.device)
         self.ready = torch.zeros(len(model.layers), dtype=torch.int32, device=self.device)
-        self.caches: dict[tuple[int, int], tuple[LatentCache, dict]] = {}
+        self.caches: dict[tuple[int, int], Held] = {}  # (rows, max_len) -> its cache, graphs and inputs
         if self.ep is not None:
             self.ep.before_close(self.release)
 

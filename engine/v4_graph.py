@@ -26,7 +26,7 @@ from torch import nn
 
 from . import decode_kernels
 from .config import SLIDING
-from .graph_decode import CapturedStep
+from .graph_decode import CapturedStep, Held
 from .deepseek_v4 import V4Cache, V4Transformer
 
 
@@ -92,7 +92,7 @@ class V4GraphDecode(CapturedStep):
                        if layer.self_attn.kind != SLIDING]
         for r in self.routes:
             r.attn.project = r
-        self.caches: dict[tuple[int, int], tuple[V4Cache, dict]] = {}
+        self.caches: dict[tuple[int, int], Held] = {}
         self.fuse(fuse_aux)
 
         def experts_kernel(x, w13, w2, idx, weights, limit):
@@ -112,12 +112,12 @@ class V4GraphDecode(CapturedStep):
         """The C4 auxiliary projections fused on the auxiliary stream (on) or apart on the main stream (off)."""
         for r in self.routes:
             r.fused = on
-        for _, widths in self.caches.values():  # a captured graph holds the other route
-            widths.clear()
+        for held in self.caches.values():  # a captured graph holds the other route
+            held.widths.clear()
 
     def _step(self, cache: V4Cache, tokens: torch.Tensor) -> torch.Tensor:
         # the warm-up step and the replay write the same ring slots and entries with the same values: only the
-        # lengths need putting back
+        # lengths (and the inputs, which the pick overwrites) need putting back (CapturedStep.step)
         return self.forward(tokens[:, None], cache, checked=False)[:, -1]
 
 

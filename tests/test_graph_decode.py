@@ -59,6 +59,29 @@ def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(model
     assert generate(fast, [PROMPT, LONGER], N_NEW, eos_token_id=eos).tokens == [[eos], other[:cut]]
 
 
+def test_the_step_picks_and_writes_each_rows_pick_as_its_next_input(models):
+    """The greedy pick runs inside the step (its graph on a GPU) and is written over each row's input in the path's
+    buffer, which Rows steps on: after generate it holds each row's last token; tokens given apart (forced's) are
+    copied into it first."""
+    _, _, fast = models
+    dec = fast.graph_decode
+    gen = generate(fast, [PROMPT, LONGER], N_NEW)
+    cache = dec.caches[(2, len(LONGER) + N_NEW)].cache
+    last = [row[-1] for row in gen.tokens]
+    assert dec.inputs(cache).tolist() == last and dec.picks(cache, 2)[0].tolist() == last
+    with torch.inference_mode():
+        cache = dec.cache(2, len(PROMPT) + 2)
+        dev = cache.kv.device
+        fast(torch.tensor([PROMPT, PROMPT[::-1]], device=dev), cache)
+        given, at = torch.tensor([7, 11], device=dev), cache.lengths.clone()
+        apart = dec.step(cache, given).clone()
+        pick = apart.argmax(-1)
+        assert torch.equal(dec.inputs(cache), pick) and torch.equal(dec.picks(cache, 2)[0], pick)
+        cache.lengths.copy_(at)
+        dec.inputs(cache).copy_(given)
+        assert torch.equal(dec.step(cache, dec.inputs(cache)), apart)
+
+
 def slot_reused(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Through generate.Rows, two slots: prompts 0 and 1 join together, row 0 leaves after its second token and its
     slot is stepped idle (the graph step advances every slot joined so far) for three steps, then prompt 2 joins into
@@ -168,7 +191,7 @@ def test_graph_is_captured_once_per_shape_and_replayed(models):
     dec = fast.graph_decode
     generate(fast, [PROMPT] * 2, N_NEW)
     def graphs():
-        return [s["graph"] for _, widths in dec.caches.values() for s in widths.values()]
+        return [s["graph"] for held in dec.caches.values() for s in held.widths.values()]
 
     before = graphs()
     again = generate(fast, [PROMPT] * 2, N_NEW)

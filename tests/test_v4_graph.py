@@ -94,4 +94,4 @@ def test_a_cache_rounded_to_the_bucket_is_the_one_its_step_looks_up(models):
         cache, again = g.cache(2, 40), g.cache(2, 41)
     assert cache.max_len % g.bucket == 0 and cache.max_len >= 40 and g.bucket > 1
     assert again is cache
-    assert g.caches[(cache.lengths.shape[0], cache.max_len)][0] is cache
+    assert g.caches[(cache.lengths.shape[0], cache.max_len)].cache is cache

@@ -81,9 +81,10 @@ def tpot(model, batch: int, tokens: int, prompt: list[int]) -> tuple[float, list
 
 def replay_ms(dec, batch: int, start: int, n: int) -> float:
     """Median ms of the last captured graph of ``batch`` rows replayed back to back, no host work between: the
-    step's own time on the device, against which TPOT shows the host's share."""
-    cache, widths = next(v for v in dec.caches.values() if batch in v[1])
-    graph = widths[batch]["graph"]
+    step's own time on the device (its greedy pick included: it runs in the graph), against which TPOT shows the
+    host's share."""
+    held = next(h for h in dec.caches.values() if batch in h.widths)
+    cache, graph = held.cache, held.widths[batch]["graph"]
     with torch.inference_mode():  # the cache was made in it
         cache.lengths.fill_(start)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
