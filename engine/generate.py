@@ -200,24 +200,31 @@ class Rows:
     def leave(self, slot: int) -> None:
         self.live[slot] = False
 
-    def step(self) -> tuple[list[int], torch.Tensor]:
-        """One batched decode step -> (the live slots, their logits [len, vocab]), for ``advance``."""
+    def _live(self) -> list[int]:
+        """The live slots below the width; an idle one among them is set back to position 0 (stepped, never read)."""
         if idle := [s for s in range(self.width) if not self.live[s]]:
             self.cache.lengths[self._index(idle)] = 0
-        live = [s for s in range(self.width) if self.live[s]]
+        return [s for s in range(self.width) if self.live[s]]
+
+    def step(self) -> tuple[list[int], torch.Tensor]:
+        """One batched decode step -> (the live slots, their logits [len, vocab]), for ``advance``."""
+        live = self._live()
         return live, _decode(self.model, self.cache, self.inputs[:self.width], live, self._index(live))
 
     def launch(self) -> Launched:
         """One batched decode step whose picks feed the next step on the device; ``finish`` hands them over."""
-        live, logits = self.step()
         graph = self.model.graph_decode
-        # on the graph path picked in the step and written as the next inputs there; an idle slot's pick overwrites
-        # its input too, harmless: its results are never read, and a joining row's first token is written by advance
+        # on the graph path picked in the step and written as the next inputs there (its logits are not needed here);
+        # an idle slot's pick overwrites its input too, harmless: its results are never read, and a joining row's
+        # first token is written by advance
         if graph is not None:
+            live = self._live()
+            graph.step(self.cache, self.inputs[:self.width])
             ids, margins = graph.picks(self.cache, self.width)
             if len(live) < self.width:
                 ids, margins = (t.index_select(0, self._index(live)) for t in (ids, margins))
         else:
+            live, logits = self.step()
             ids, margins = self._pick(live, logits)
         cuda = self.device.type == "cuda"
         out = Launched(live, [self.joined[s] for s in live], ids.to("cpu", non_blocking=cuda),
