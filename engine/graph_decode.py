@@ -163,8 +163,9 @@ class CapturedStep:
         return state["ids"], state["margins"]
 
     def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (one per cache row of the first B) -> logits [B, vocab]; each of them advances one position, and
-        its greedy pick becomes its next input (``inputs``, ``picks``)."""
+        """tokens [B] (one per cache row of the first B) -> logits [B, vocab], the step's own tensor (rewritten by the
+        next step of that width); each row advances one position, and its greedy pick becomes its next input
+        (``inputs``, ``picks``)."""
         held = self._held(cache, "step")
         inputs = held.inputs[:tokens.shape[0]]
         if tokens.data_ptr() != inputs.data_ptr():  # given apart (``forced``): into the buffer the graph reads
