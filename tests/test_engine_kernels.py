@@ -113,7 +113,8 @@ def test_the_cpu_kernels_refuse_to_run_without_the_interpreter_switch_set_at_sta
     Triton. The stage says what to do instead (the rules set it for every CPU stage)."""
     from workflow import environment
 
-    environment.require_interpreter("x")  # conftest sets it before anything imports torch
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as conftest sets it on a CPU (on a GPU it is unset)
+    environment.require_interpreter("x")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="the engine's triton decode path on a CPU runs Triton's interpreter: set "
                                            "TRITON_INTERPRET=1 in the environment before Python starts"):
