@@ -95,7 +95,6 @@ def _decode(model: Transformer, cache: LatentCache, tokens: torch.Tensor, rows: 
     eager forward only ``rows``)."""
     if model.graph_decode is not None:
         # the step's logits are its graph's own buffer, rewritten by the next step: the caller gets a copy it may keep
-        # (an observer that kept them saw every step's logits become the last one's)
         logits = model.graph_decode.step(cache, tokens)
         return logits.clone() if len(rows) == tokens.shape[0] else logits.index_select(0, index)
     return model(tokens.index_select(0, index)[:, None], cache, index)[:, -1]
