@@ -270,7 +270,8 @@ def test_a_campaigns_broken_screen_fails_the_run_after_sealing(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    r = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"),
+    # as a module: a GPU machine's packages may be installed with no console script (tools/device_tests.sh)
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"),
                         "-d", str(tmp_path), "-c2", "--configfile", str(tmp_path / "c.yaml")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode != 0 and "says bitwise_mismatch (`broken`" in r.stdout + r.stderr, \

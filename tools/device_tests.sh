@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite's GPU branches on a lent GPU machine (CI has no GPU, so they run only here): each test file that
 # takes one, with the wheels of .whl/ (tools/device_wheels.sh) on the path, within a time budget; a file the budget
-# does not reach is named "not run". Exit 1 if any file failed.
+# does not reach is named "not run". A failing file's whole output goes to $OUT (the device tool's folder that comes
+# back; /tmp elsewhere) as <file>.log. Exit 1 if any file failed.
 #   usage: tools/device_tests.sh [seconds] [test files...]   (the default list: the files with a CUDA branch,
 #   tests/test_route_kernel.py last: it alone takes about 3 minutes on an H200)
 set -uo pipefail
@@ -23,6 +24,9 @@ for f in "${files[@]}"; do
   rc=$?
   if [ "$rc" -eq 124 ]; then echo "$f: stopped at the budget (${left} s left for it)"; else echo "$f: $(echo "$out" | tail -1)"; fi
   echo "$out" | grep -E "^(FAILED|ERROR) " || true
-  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || failed=1  # 5: every test deselected or none collected
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then  # 5: every test deselected or none collected
+    failed=1 log="${OUT:-/tmp}/$(basename "$f" .py).log"
+    echo "$out" > "$log" && echo "  its output: $log"
+  fi
 done
 exit "$failed"
