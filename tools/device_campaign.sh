@@ -8,8 +8,7 @@ set -uo pipefail
 campaign=${1:?campaign file}
 budget=${2:-540}
 shift $(( $# < 2 ? $# : 2 ))
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_site.sh" install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -4
 # greedy scheduler: the ILP one needs pulp, which is not carried (16 MB)

@@ -14,7 +14,7 @@ if [ ! -f /tmp/chain.campaign.done ]; then
   [ $rc -ne 124 ] && touch /tmp/chain.campaign.done
 fi
 if [ -f /tmp/chain.campaign.done ] && [ ! -f /tmp/chain.mutants.done ] && [ $((end - SECONDS)) -gt 120 ]; then
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1  # the wheels device_campaign.sh installed
+  . tools/device_site.sh  # the wheels device_campaign.sh installed
   ckpt=$(ls -d .evident/checkpoints/synthetic-*/ | head -1)  # a fresh machine holds the campaign's one
   mkdir -p /tmp/chain && ln -sfn "$PWD/$ckpt" /tmp/chain/ckpt
   timeout $((end - SECONDS - 10)) python3 tools/device_parity.py "$campaign" --kernels torch --batch-sizes 1 \

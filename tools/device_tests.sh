@@ -14,8 +14,7 @@ if [ ${#files[@]} -eq 0 ]; then
   mapfile -t files < <(grep -l "cuda.is_available" tests/test_*.py | grep -v test_route_kernel.py)
   files+=(tests/test_route_kernel.py)
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+. tools/device_site.sh install
 end=$((SECONDS + budget)) failed=0
 for f in "${files[@]}"; do
   left=$((end - SECONDS))
