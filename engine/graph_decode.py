@@ -293,16 +293,20 @@ class GraphDecode(CapturedStep):
         # the router's launch, so that it cannot reuse memory the router's launch still reads.
         ready = self.ready[layer:layer + 1] if h.shape[0] == 1 and n_shared and self.ep is None else None
         out = None if ready is None else self.moe.gate_up_out(h, w13, moe.top_k + n_shared)  # x is h's shape and dtype
+        # Then down's programs start on the slots gate_up has written, h's buffer marked unwritten by the router (v28).
+        early = n_shared if ready is not None and self.moe.EARLY_DOWN else 0
+        h_reset = (out, self.moe.sentinel(out.dtype)) if early else None
         h, x, ids, weights = self.route.add_norm_route(h, attn, post.weight, post.eps, moe.gate.weight, moe.top_k,
                                                        moe.norm_topk_prob, moe.routed_scaling_factor,
                                                        counter=self.counters[layer:layer + 1], ready=ready,
-                                                       **self.routes[layer])
+                                                       h_reset=h_reset, **self.routes[layer])
         if self.ep is not None:  # this rank's fp32 partial, summed over ranks, then the add
             partial = self.ep.combine(self.moe.moe_experts(x, w13, w2, ids, weights))
             return self.norm.add_rms_norm(h, partial, after.weight, after.eps)
         pairs = self.moe.route(ids)  # sorted by expert once, for both kernels
         shared = None if ready is None else (ready, n_shared)
-        y = self.moe.experts_down(self.moe.experts_gate_up(x, w13, ids, pairs, shared=shared, out=out), w2, ids, pairs)
+        y = self.moe.experts_down(self.moe.experts_gate_up(x, w13, ids, pairs, shared=shared, out=out), w2, ids, pairs,
+                                  early=early)
         return self.norm.moe_add_rms_norm(h, y, weights, after.weight, after.eps)
 
 

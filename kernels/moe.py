@@ -41,8 +41,17 @@ DOT_STAGES = 3  # the K loop's software pipeline: weight tiles in flight per pro
 # The interpreter runs programs one by one in Python: taller blocks give the same results with far fewer
 # programs.
 INTERPRETER_BLOCK_N = 1024
+# B = 1 in the graph step (experts_down's ``early``): down's programs go on over the slots whose h gate_up has
+# written, instead of waiting for gate_up's end (engine/DECODE.md v28). False: the A/B switch of the decode probe.
+EARLY_DOWN = True
 BLOCK_D = 1024  # the weighted sum over slots: D columns per program
 COMBINE_WARPS = 4
+
+
+def sentinel(dtype: torch.dtype) -> int:
+    """h's "not written yet" bits in dtype's width: a NaN with a payload (0xFFA5, 0xFFA5A5A5) that no arithmetic or
+    conversion makes (a computed NaN is canonical)."""
+    return {2: -0x5B, 4: -0x5A5A5B}[dtype.itemsize]
 
 
 @triton.jit
@@ -55,20 +64,32 @@ def _clamp(gate, up, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _bits(v):
+    """v's bits as an integer of its width (16 or 32)."""
+    return v.to(tl.int16, bitcast=True) if v.dtype.primitive_bitwidth == 16 else v.to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                 GATED: tl.constexpr, SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                LIMIT: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+                LIMIT: tl.constexpr, SHARED: tl.constexpr, EARLY: tl.constexpr, SENT: tl.constexpr,
+                PDL: tl.constexpr):
     """B = 1. Program (n, j): weight rows n*BLOCK_N.. of pair p's expert against p's input row; p = j, or
     order[j] if the pairs come sorted (keys are then the sorted ids). With SHARED, the last SHARED slots hold experts
     e_shared.. (fixed: no id read) and their programs come first in the grid and start once ``ready`` says the
-    input is published (``pdl.wait_or_acquire``), not after the previous launch's end."""
+    input is published (``pdl.wait_or_acquire``), not after the previous launch's end. With EARLY (down after such
+    a gate_up, whose h was filled with SENT by the router's launch): the shared slots first too, and no wait on
+    gate_up unless a slice of h still holds SENT; a value that is not SENT is gate_up's, written once a step."""
     j = tl.program_id(1)
     first_shared = tl.num_programs(1) - SHARED
     fixed = False
     if SHARED > 0:
         j = (j + first_shared) % tl.num_programs(1)
         fixed = j >= first_shared
-    if fixed:  # a shared expert's slot: what it reads is x only, published before the router's end
+    if EARLY:  # down: the router and gate_up's start are behind this launch; h's rows are checked below
+        pdl.launch_dependents(PDL)
+        e = tl.load(keys + j, cache_modifier=".cg")
+    elif fixed:  # a shared expert's slot: what it reads is x only, published before the router's end
         pdl.wait_or_acquire(ready, PDL)
         e = (e_shared + j - first_shared).to(tl.int64)
     else:
@@ -90,12 +111,18 @@ def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N:
         kk = k0 + cols
         kin = kk < K
         wmask = rlive[:, None] & kin[None, :]
-        xk = tl.load(inp + src * K + kk, mask=kin, other=0.0).to(tl.float32)
         # evict_first: read once a step, the experts' bytes should not push out of L2 what was asked to stay there
         # (the next layer's projections, kernels/_l2.py)
-        wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        acc_a += tl.sum(wa * xk[None, :], axis=1)
+        if EARLY:  # the weights first; h's slice from L2, where a SENT left means gate_up has not written it yet
+            wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+            xk = tl.load(inp + src * K + kk, mask=kin, other=0.0, cache_modifier=".cg")
+            if tl.max((_bits(xk) == SENT).to(tl.int32), axis=0) != 0:
+                pdl.wait_only(PDL)  # gate_up's end
+                xk = tl.load(inp + src * K + kk, mask=kin, other=0.0, cache_modifier=".cg")
+        else:
+            xk = tl.load(inp + src * K + kk, mask=kin, other=0.0)
+            wa = tl.load(w_e + rows[:, None] * K + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
+        acc_a += tl.sum(wa.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
         if GATED:
             wb = tl.load(w_e + (rows + N)[:, None] * K + kk[None, :], mask=wmask, other=0.0,
                          eviction_policy="evict_first").to(tl.float32)
@@ -320,7 +347,7 @@ def route(ids):
     return None if ids.shape[0] == 1 else _route(ids)
 
 
-def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float = 0.0, shared=None):
+def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float = 0.0, shared=None, early=0):
     """One launch of the experts kernel for out's B; returns Triton's compiled kernel (None under the
     interpreter). At B = 1 route may be None (ids then given): pairs in their own order; ``shared`` (ready, S): the
     last S slots are the last S experts of w, started early (``_row_kernel``)."""
@@ -331,11 +358,13 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float 
         block_n = min(INTERPRETER_BLOCK_N, triton.next_power_of_2(N)) if interpreting() else \
             (BLOCK_N if gated else DOWN_BLOCK_N)
         ready, n_shared = shared or (keys, 0)  # keys: unread without SHARED
+        flags = pdl.flags(w.device)
+        on = bool(early) and flags["PDL"] and order is None
         return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
             inp, w, out, keys, keys if order is None else order, ready, w.shape[0] - n_shared,
             DIV=slots if gated else 1, N=N, K=K, GATED=gated, SORTED=order is not None, BLOCK_N=block_n,
-            BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), LIMIT=float(limit), SHARED=n_shared,
-            num_warps=NUM_WARPS, **pdl.flags(w.device))
+            BLOCK_K=min(BLOCK_K, triton.next_power_of_2(K)), LIMIT=float(limit),
+            SHARED=early if on else n_shared, EARLY=on, SENT=sentinel(inp.dtype), num_warps=NUM_WARPS, **flags)
     sorted_ids, order = route
     n_pairs = sorted_ids.numel()
     block_n = INTERPRETER_BLOCK_N if interpreting() else (DOT_BLOCK_N if gated else DOT_DOWN_BLOCK_N)
@@ -366,9 +395,9 @@ def _gate_up(x, w13, ids, route, limit: float = 0.0, shared=None, out=None):
     return h
 
 
-def _down(h, w2, ids, route):
+def _down(h, w2, ids, route, early=0):
     y = torch.empty(*ids.shape, w2.shape[1], dtype=torch.float32, device=h.device)
-    _launch(h, w2, y, route, ids.shape[1], False, ids)
+    _launch(h, w2, y, route, ids.shape[1], False, ids, early=early)
     return y
 
 
@@ -393,13 +422,13 @@ def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0, shared=None, ou
     return _gate_up(x, w13, ids, _route_for(ids, route), limit, shared if ids.shape[0] == 1 else None, out)
 
 
-def experts_down(h, w2, ids, route=None):
+def experts_down(h, w2, ids, route=None, early=0):
     """y [B, k, D] fp32: w2[ids[b, s]] @ h[b, s] with fp32 sums; 0.0 where ids[b, s] is -1."""
     _check_down(h, w2, ids)
     _check_route(route, ids)
     if down_reason(h, w2, ids):
         return _down_torch(h, w2, ids)
-    return _down(h, w2, ids, _route_for(ids, route))
+    return _down(h, w2, ids, _route_for(ids, route), early if ids.shape[0] == 1 else 0)
 
 
 def moe_experts(x, w13, w2, ids, weights, route=None, limit: float = 0.0):

@@ -157,12 +157,25 @@ def _add_norm_slice(h, delta, norm_w, h_out, x_out, eps, b, ds, dlive, first, D:
 
 
 @triton.jit
+def _fill(buf, N: tl.constexpr, VALUE: tl.constexpr):
+    """buf[:N] = VALUE, an integer of buf's element width, as bits."""
+    offs = tl.arange(0, 1024)
+    for i in tl.static_range(0, N, 1024):
+        if buf.dtype.element_ty.primitive_bitwidth == 16:
+            v = tl.full([1024], VALUE, tl.int16).to(buf.dtype.element_ty, bitcast=True)
+        else:
+            v = tl.full([1024], VALUE, tl.int32).to(buf.dtype.element_ty, bitcast=True)
+        tl.store(buf + i + offs, v, mask=i + offs < N)
+
+
+@triton.jit
 def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, norm_w, h_out, eps,
                   B: tl.constexpr, E: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                   ADD_NORM: tl.constexpr, SELECT: tl.constexpr, BLOCK_ROW: tl.constexpr, N_SPLIT: tl.constexpr,
                   K: tl.constexpr, S: tl.constexpr, NORM: tl.constexpr, REMAP: tl.constexpr, METHOD: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPS: tl.constexpr, E_PAD: tl.constexpr,
-                  SLOTS: tl.constexpr, ready, PUBLISH: tl.constexpr, PDL: tl.constexpr):
+                  SLOTS: tl.constexpr, ready, PUBLISH: tl.constexpr, hreset, N_RESET: tl.constexpr,
+                  FILL: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j): part[j, b, e] = sum over columns j*BLOCK_D.. of w[e] * x[b], for gate rows e of block i and
     every row b (the weight tile loaded once for all rows); with ADD_NORM, x is made here from h + delta (as
     kernels/norm.py's add_rms_norm), and program (0, 0) writes h_out and x. With SELECT the last program to finish (a
@@ -179,6 +192,8 @@ def _route_kernel(x, w, part, count, remap, bias, ids, wts, scaling, h, delta, n
     if PUBLISH:
         if first:  # the flag says 1 only once this launch has published: a reader started before then waits
             tl.atomic_xchg(ready, 0, sem="relaxed", scope="gpu")
+            if N_RESET > 0:  # the experts' h buffer marked unwritten before anything of this step writes it
+                _fill(hreset, N_RESET, FILL)
         else:  # the publisher lets the next launch start once x is stored
             pdl.launch_dependents(PDL)
     else:
@@ -319,9 +334,9 @@ def _warps(D: int, E: int, add_norm: bool) -> tuple[int, int]:
 
 
 def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group, bias,
-            counter, norm=None, ready=None):
+            counter, norm=None, ready=None, h_reset=None):
     """One launch (two above ONE_LAUNCH_ROWS rows) -> (ids, weights); ``norm`` (h, delta, norm_weight, eps, h_out): x
-    is made in the first (add_rms_norm); ``ready``: published there (one launch and norm only)."""
+    is made in the first (add_rms_norm); ``ready``: published there (one launch and norm only), after h_reset's fill."""
     (B, D), E = x.shape, gate_weight.shape[0]
     block_e, block_d = min(BLOCK_E, triton.next_power_of_2(E)), min(BLOCK_D, triton.next_power_of_2(D))
     n_split = triton.cdiv(D, block_d)
@@ -349,7 +364,9 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
         x, gate_weight, part, counter, *lookup, ids, weights, float(scaling), h, delta, norm_weight, h_out, float(eps),
         B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one,
         BLOCK_ROW=triton.next_power_of_2(D), ready=counter if ready is None else ready,  # unread without PUBLISH
-        PUBLISH=ready is not None, num_warps=warps, **select, **flags)
+        PUBLISH=ready is not None, hreset=x if h_reset is None else h_reset[0],
+        N_RESET=0 if h_reset is None else h_reset[0].numel(), FILL=0 if h_reset is None else h_reset[1],
+        num_warps=warps, **select, **flags)
     if not one:
         _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select, num_warps=select_warps,
                              **flags)
@@ -374,11 +391,15 @@ def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
                    gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, shared: int = 0,
                    remap: torch.Tensor | None = None, method: str = "greedy", n_group: int = 1, topk_group: int = 1,
                    bias: torch.Tensor | None = None, counter: torch.Tensor | None = None,
-                   ready: torch.Tensor | None = None):
+                   ready: torch.Tensor | None = None, h_reset=None):
     """kernels.norm.add_rms_norm(h, delta, norm_weight, eps) -> (h', x), then route(x, ...) -> (ids, weights): (h', x,
     ids, weights), in one launch up to ONE_LAUNCH_ROWS rows, else as those two calls. ``ready`` (int32 [1]): 1 once
     that one launch has published h' and x to the next launch (``pdl.publish``: the next launch's programs start
-    after it), set to 0 on the other paths, which publish nothing early."""
+    after it), set to 0 on the other paths, which publish nothing early. ``h_reset`` (buf, bits), with ready only:
+    buf filled with bits (an integer of its element width) before the publication, on every path: the experts'
+    h buffer marked unwritten for a down launch that checks it (kernels/moe.py, ``experts_down``'s early)."""
+    if h_reset is not None and ready is None:
+        raise ValueError("h_reset is filled before ready's publication: it needs ready")
     if delta.shape != h.shape:
         raise ValueError(f"h {tuple(h.shape)} and delta {tuple(delta.shape)} differ in shape")
     if norm.norm_reason(h, norm_weight) or dtype_reason("delta", delta.dtype) or device_reason(h, delta) \
@@ -387,12 +408,14 @@ def add_norm_route(h: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tens
             or h.shape[0] > ONE_LAUNCH_ROWS:
         if ready is not None:
             ready.zero_()
+        if h_reset is not None:
+            h_reset[0].view({2: torch.int16, 4: torch.int32}[h_reset[0].itemsize]).fill_(h_reset[1])
         h, x = norm.add_rms_norm(h, delta, norm_weight, eps)
         return h, x, *route(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group,
                             topk_group, bias, counter)
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     ids, weights = _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, method, n_group, topk_group,
-                           bias, counter, (h, delta, norm_weight, eps, h_out), ready)
+                           bias, counter, (h, delta, norm_weight, eps, h_out), ready, h_reset)
     return h_out, x, ids, weights
 
 

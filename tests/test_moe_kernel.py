@@ -9,8 +9,10 @@ CUDA-graph capture and replay.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernels import moe
+from kernels import moe, pdl
 from kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
@@ -23,6 +25,24 @@ MATCH = [(FULL, dt, B) for dt in DTYPES for B in (1, 3, 8)] if CUDA else \
     [(SMALL, dt, B) for dt in DTYPES for B in (1, 3, 8)] + [(LONG, torch.bfloat16, B) for B in (1, 8)]
 ROWS = FULL if CUDA else SMALL
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # fp32 sums; h rounds once
+
+
+@triton.jit
+def _now():
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.full([1], 0, tl.int32)], dtype=tl.int64,
+                                  is_pure=False, pack=1)
+    return tl.max(t, axis=0)
+
+
+@triton.jit
+def _late_copy(src, dst, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """dst = src, DELAY_NS after this launch has let the next one start (a writer slower than its reader)."""
+    pdl.wait(PDL)
+    start = _now()
+    while _now() - start < DELAY_NS:
+        pass
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
 
 
 def rel_err(out, ref):
@@ -267,6 +287,76 @@ def test_shared_slots_started_early_read_this_step_s_x_in_a_graph(gen):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, moe.experts_gate_up(x, w13, ids))
+
+
+@pytest.mark.parametrize("B", [1, 2])  # the one launch, and the norm then the router
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_router_marks_h_unwritten(B, dtype, gen):
+    """``h_reset``: the router fills the experts' h buffer with moe.sentinel's bits on each path, so that a down
+    started early (``experts_down``'s early) sees every row as unwritten until this step's gate_up writes it; without
+    ready (whose publication the fill precedes) it is an error."""
+    from kernels import route
+
+    D, I, E, k = ROWS
+    h, delta = (torch.randn(2, B, D, generator=gen, device=DEV)).to(dtype)
+    norm_w = torch.ones(D, dtype=dtype, device=DEV)
+    gate = torch.randn(E, D, generator=gen, device=DEV)
+    buf = torch.randn(B, k + 1, I, generator=gen, device=DEV).to(dtype)
+    bits = moe.sentinel(dtype)
+    ready = torch.zeros(1, dtype=torch.int32, device=DEV)
+    route.add_norm_route(h, delta, norm_w, 1e-6, gate, k, True, 1.0, shared=1, ready=ready, h_reset=(buf, bits))
+    as_int = buf.view({2: torch.int16, 4: torch.int32}[buf.itemsize])
+    assert bool((as_int == bits).all()) and bool(buf.isnan().all())
+    with pytest.raises(ValueError, match="needs ready"):
+        route.add_norm_route(h, delta, norm_w, 1e-6, gate, k, True, 1.0, shared=1, h_reset=(buf, bits))
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
+def test_down_started_early_reads_this_step_s_h_in_a_graph(gen):
+    """The decode step's order at B = 1, captured and replayed on a fresh residual each time: the router marking h
+    unwritten, gate_up with its shared slots started early, down started on the slots gate_up has written
+    (``early``): y the same bits as down's after gate_up's end. (At this shape down's programs come after gate_up's
+    for the same slot, so a missing wait shows only in the test below, where h is written late on purpose.)"""
+    from kernels import route
+
+    D, I, E, k = FULL
+    S = 2
+    _, w13, w2, _, _ = problem(1, D, I, E + S, k, torch.bfloat16, gen)
+    h, delta = torch.randn(2, 1, D, generator=gen, device=DEV).to(torch.bfloat16)
+    norm_w = (torch.rand(D, generator=gen, device=DEV) + 0.5).to(torch.bfloat16)
+    gate = torch.randn(E, D, generator=gen, device=DEV) * D**-0.5
+    counter, ready = torch.zeros(2, 1, dtype=torch.int32, device=DEV)
+    out = torch.empty(1, k + S, I, dtype=torch.bfloat16, device=DEV)  # made before the router's launch
+
+    def step():
+        _, x, ids, _ = route.add_norm_route(h, delta, norm_w, 1e-6, gate, k, True, 1.0, shared=S, counter=counter,
+                                            ready=ready, h_reset=(out, moe.sentinel(out.dtype)))
+        hk = moe.experts_gate_up(x, w13, ids, shared=(ready, S), out=out)
+        return x, ids, moe.experts_down(hk, w2, ids, early=S)
+
+    graph, (x, ids, got) = capture(step)
+    for _ in range(20):
+        h.copy_(torch.randn(1, D, generator=gen, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, moe.experts_down(moe.experts_gate_up(x, w13, ids), w2, ids))
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
+def test_down_started_early_waits_for_h_written_late(gen):
+    """Down started early (``early``) after a launch that lets it start at once and writes h only ~20 µs later, into a
+    buffer marked unwritten: down's programs find the marks, wait for that launch's end, and y is the same bits as
+    down's on h written beforehand. A down that went on without waiting would read the marks (NaN)."""
+    D, I, E, k = FULL
+    x, w13, w2, ids, _ = problem(1, D, I, E, k, torch.bfloat16, gen)
+    h = moe.experts_gate_up(x, w13, ids)
+    want = moe.experts_down(h, w2, ids)
+    late = torch.empty_like(h).view(torch.int16).fill_(moe.sentinel(h.dtype)).view(h.dtype)
+    _late_copy[(triton.cdiv(h.numel(), 1024),)](h, late, h.numel(), DELAY_NS=20_000, BLOCK=1024,
+                                                **pdl.flags(h.device))
+    got = moe.experts_down(late, w2, ids, early=1)
+    torch.cuda.synchronize()
+    assert torch.equal(late, h) and torch.equal(got, want)
 
 
 def test_shape_errors_are_errors_not_fallbacks(gen):
