@@ -344,19 +344,27 @@ def test_down_started_early_reads_this_step_s_h_in_a_graph(gen):
 
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
 def test_down_started_early_waits_for_h_written_late(gen):
-    """Down started early (``early``) after a launch that lets it start at once and writes h only ~20 µs later, into a
-    buffer marked unwritten: down's programs find the marks, wait for that launch's end, and y is the same bits as
-    down's on h written beforehand. A down that went on without waiting would read the marks (NaN)."""
+    """Down started early (``early``) after a launch that lets it start at once and writes h only 100 µs later, into a
+    buffer marked unwritten, captured in a CUDA graph (so no host time lies between the launches) and replayed: down's
+    programs find the marks, wait for that launch's end, and y is the same bits as down's on h written beforehand. A
+    down that went on without waiting would read the marks (NaN)."""
     D, I, E, k = FULL
     x, w13, w2, ids, _ = problem(1, D, I, E, k, torch.bfloat16, gen)
     h = moe.experts_gate_up(x, w13, ids)
     want = moe.experts_down(h, w2, ids)
-    late = torch.empty_like(h).view(torch.int16).fill_(moe.sentinel(h.dtype)).view(h.dtype)
-    _late_copy[(triton.cdiv(h.numel(), 1024),)](h, late, h.numel(), DELAY_NS=20_000, BLOCK=1024,
-                                                **pdl.flags(h.device))
-    got = moe.experts_down(late, w2, ids, early=1)
-    torch.cuda.synchronize()
-    assert torch.equal(late, h) and torch.equal(got, want)
+    late = torch.empty_like(h)
+
+    def step():
+        late.view(torch.int16).fill_(moe.sentinel(h.dtype))
+        _late_copy[(triton.cdiv(h.numel(), 1024),)](h, late, h.numel(), DELAY_NS=100_000, BLOCK=1024,
+                                                    **pdl.flags(h.device))
+        return moe.experts_down(late, w2, ids, early=1)
+
+    graph, got = capture(step)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(late, h) and torch.equal(got, want)
 
 
 def test_shape_errors_are_errors_not_fallbacks(gen):
