@@ -50,7 +50,7 @@ COMBINE_WARPS = 4
 
 def sentinel(dtype: torch.dtype) -> int:
     """h's "not written yet" bits in dtype's width: a NaN with a payload (0xFFA5, 0xFFA5A5A5) that no arithmetic or
-    conversion makes (a computed NaN is canonical)."""
+    conversion makes (a computed NaN is canonical). Were gate_up to write it, down would only wait for gate_up's end."""
     return {2: -0x5B, 4: -0x5A5A5B}[dtype.itemsize]
 
 
@@ -423,7 +423,10 @@ def experts_gate_up(x, w13, ids, route=None, limit: float = 0.0, shared=None, ou
 
 
 def experts_down(h, w2, ids, route=None, early=0):
-    """y [B, k, D] fp32: w2[ids[b, s]] @ h[b, s] with fp32 sums; 0.0 where ids[b, s] is -1."""
+    """y [B, k, D] fp32: w2[ids[b, s]] @ h[b, s] with fp32 sums; 0.0 where ids[b, s] is -1.
+    early=S, B = 1: the caller's word that h is ``out`` of experts_gate_up with ``shared`` S and that the router's
+    launch filled it with sentinel(h.dtype) (``route.add_norm_route``'s h_reset). Under PDL each program then waits
+    for gate_up's end only if its slice of h still holds the mark, the shared slots first in the grid; the same bits."""
     _check_down(h, w2, ids)
     _check_route(route, ids)
     if down_reason(h, w2, ids):
