@@ -359,7 +359,7 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float 
             (BLOCK_N if gated else DOWN_BLOCK_N)
         ready, n_shared = shared or (keys, 0)  # keys: unread without SHARED
         flags = pdl.flags(w.device)
-        on = bool(early) and flags["PDL"] and order is None
+        on = bool(early) and flags["PDL"]
         return _row_kernel[(triton.cdiv(N, block_n), keys.numel())](
             inp, w, out, keys, keys if order is None else order, ready, w.shape[0] - n_shared,
             DIV=slots if gated else 1, N=N, K=K, GATED=gated, SORTED=order is not None, BLOCK_N=block_n,
@@ -431,7 +431,7 @@ def experts_down(h, w2, ids, route=None, early=0):
     _check_route(route, ids)
     if down_reason(h, w2, ids):
         return _down_torch(h, w2, ids)
-    return _down(h, w2, ids, _route_for(ids, route), early if ids.shape[0] == 1 else 0)
+    return _down(h, w2, ids, _route_for(ids, route), early)  # read at B = 1 only
 
 
 def moe_experts(x, w13, w2, ids, weights, route=None, limit: float = 0.0):

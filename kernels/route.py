@@ -350,6 +350,7 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
     if kind == 0 or topk_group == n_group:
         n_group = topk_group = 1  # no group is dropped: the group code is not compiled in
     h, delta, norm_weight, eps, h_out = norm or (x, x, x, 0.0, x)  # unread without ADD_NORM
+    hbuf, fill = h_reset or (x, 0)  # unwritten without h_reset
     warps, select_warps = _warps(D, E, norm is not None)
     # A row's routes from a given x are the same either way (the selection's sums are exact, _sum_units).
     # add_norm_route's x is not: at batch 1 its sum of squares is this launch's, above it norm.py's, one rounding step
@@ -364,8 +365,7 @@ def _launch(x, gate_weight, top_k, norm_topk_prob, scaling, shared, remap, metho
         x, gate_weight, part, counter, *lookup, ids, weights, float(scaling), h, delta, norm_weight, h_out, float(eps),
         B=B, E=E, D=D, BLOCK_E=block_e, BLOCK_D=block_d, ADD_NORM=norm is not None, SELECT=one,
         BLOCK_ROW=triton.next_power_of_2(D), ready=counter if ready is None else ready,  # unread without PUBLISH
-        PUBLISH=ready is not None, hreset=x if h_reset is None else h_reset[0],
-        N_RESET=0 if h_reset is None else h_reset[0].numel(), FILL=0 if h_reset is None else h_reset[1],
+        PUBLISH=ready is not None, hreset=hbuf, N_RESET=0 if h_reset is None else hbuf.numel(), FILL=fill,
         num_warps=warps, **select, **flags)
     if not one:
         _select_kernel[(B,)](part, *lookup, ids, weights, float(scaling), B=B, E=E, **select, num_warps=select_warps,
