@@ -415,15 +415,20 @@ def test_group_ties_pick_the_lowest_group(method, gen):
     """Integer-valued weights (as test_ties_pick_the_lowest_index). Against x row 0 (all ones) groups 1, 2 and 3
     (of 3 experts) tie, by their best expert and by their top-2 sum: logits 10 and 5 (experts 3, 4; 6, 7; 9, 10)
     and a third below; two groups are kept, 1 and 2, so k=3 takes 3, 6 and then 4 of the tie 4 = 7, not 9.
-    Expert 2 repeats expert 1, so group 0 often has its largest twice (its top-2 sum is then twice it). The other rows
-    are random, not integers: two groups whose sums tie there by chance would be ranked by the last bit of each
-    implementation's sigmoid (the interpreter's and torch's differ), which no contract fixes."""
+    Expert 2's logit equals expert 1's there, so group 0 may have its largest twice (its top-2 sum is then twice it).
+    The tied experts' rows are rotations of one another, equal in sum only: the other rows of x are random, not
+    integers, and against equal gate rows their logits would tie as far as each matmul's summation order lets them
+    (CI's CPU BLAS once split such a tie, and the reference kept group 3 over group 1). Two groups whose sums tie
+    there by chance would be ranked by the last bit of each implementation's sigmoid, which no contract fixes."""
     D, E, n_group, topk_group, k = 40, 12, 4, 2, 3
     x = torch.randn(4, D, generator=gen, device=DEV).to(torch.bfloat16)
     x[0] = 1
     w = torch.randint(-2, 3, (E, D), generator=gen, device=DEV).float() / 16
-    w[[3, 6, 9]], w[[4, 7, 10]], w[[0, 5, 8, 11]] = 0.25, 0.125, -1 / 16
-    w[2] = w[1]
+    for tied, logit in (([3, 6, 9], 10), ([4, 7, 10], 5), ([0, 5, 8, 11], -2.5)):
+        spread = w[tied[0]] - w[tied[0]].roll(1)  # sums to zero, exactly
+        for i, e in enumerate(tied):
+            w[e] = logit / D + spread.roll(i)
+    w[2] = w[1].roll(1)
     bias = torch.zeros(E, device=DEV) if method == "noaux_tc" else None
     args = (method, n_group, topk_group, bias)
     for norm in (True, False):
