@@ -412,23 +412,26 @@ def test_group_routings_match_reference(shape, dtype, B, norm, gen):
 
 @pytest.mark.parametrize("method", ["group_limited_greedy", "noaux_tc"])
 def test_group_ties_pick_the_lowest_group(method, gen):
-    """Integer-valued weights (as test_ties_pick_the_lowest_index). Against x row 0 (all ones) groups 1, 2 and 3
-    (of 3 experts) tie, by their best expert and by their top-2 sum: logits 10 and 5 (experts 3, 4; 6, 7; 9, 10)
-    and a third below; two groups are kept, 1 and 2, so k=3 takes 3, 6 and then 4 of the tie 4 = 7, not 9.
-    Expert 2's logit equals expert 1's there, so group 0 may have its largest twice (its top-2 sum is then twice it).
-    The tied experts' rows are rotations of one another, equal in sum only: the other rows of x are random, not
-    integers, and against equal gate rows their logits would tie as far as each matmul's summation order lets them
-    (CI's CPU BLAS once split such a tie, and the reference kept group 3 over group 1). Two groups whose sums tie
-    there by chance would be ranked by the last bit of each implementation's sigmoid, which no contract fixes."""
+    """Two rows of x whose logits are exact in any summation order (ones, then ones on the first half; the weights
+    multiples of 1/16, one weight in each half set so that the rows' logits are those below), two random rows.
+    - Row 0: groups 1, 2 and 3 (of 3 experts) tie, by their best expert and by their top-2 sum: logits 10 and 5
+      (experts 3, 4; 6, 7; 9, 10) and a third below; two groups are kept, 1 and 2, so k=3 takes 3, 6 and then 4 of
+      the tie 4 = 7, not 9.
+    - Row 1: group 0 has its largest twice (experts 1 and 2, logit 2), so under noaux_tc its top-2 sum is twice that
+      score and beats group 2's (logits 1 and 0); a sum that took the largest once, and the next value below it,
+      would keep group 2 instead. k=3 takes 3, then 1 of the tie 1 = 2.
+    Ties are set only in the exact rows: in the random ones, gate rows equal by construction would tie only as far as
+    each matmul's summation order lets them (CI's CPU BLAS once split such a tie, and the reference kept group 3
+    over group 1). Two groups whose sums tie there by chance would be ranked by the last bit of each
+    implementation's sigmoid, which no contract fixes."""
     D, E, n_group, topk_group, k = 40, 12, 4, 2, 3
     x = torch.randn(4, D, generator=gen, device=DEV).to(torch.bfloat16)
-    x[0] = 1
+    x[0], x[1] = 1, (torch.arange(D, device=DEV) < D // 2).to(x.dtype)
     w = torch.randint(-2, 3, (E, D), generator=gen, device=DEV).float() / 16
-    for tied, logit in (([3, 6, 9], 10), ([4, 7, 10], 5), ([0, 5, 8, 11], -2.5)):
-        spread = w[tied[0]] - w[tied[0]].roll(1)  # sums to zero, exactly
-        for i, e in enumerate(tied):
-            w[e] = logit / D + spread.roll(i)
-    w[2] = w[1].roll(1)
+    row0 = torch.tensor([-2.5, 0, 0, 10, 5, -2.5, 10, 5, -2.5, 10, 5, -2.5], device=DEV)
+    row1 = torch.tensor([-4, 2, 2, 3, 0, -3, 1, 0, -3, -1, -2, -3], device=DEV, dtype=torch.float32)
+    w[:, 0] += row1 - w[:, :D // 2].sum(1)  # every sum and difference exact: multiples of 1/16 below 2^20
+    w[:, D // 2] += row0 - row1 - w[:, D // 2:].sum(1)
     bias = torch.zeros(E, device=DEV) if method == "noaux_tc" else None
     args = (method, n_group, topk_group, bias)
     for norm in (True, False):
@@ -436,7 +439,7 @@ def test_group_ties_pick_the_lowest_group(method, gen):
         ref_ids, ref_wts, _, _ = group_reference(x, w, k, norm, SCALING, *args)
         assert torch.equal(ids.cpu(), ref_ids), (ids, ref_ids)  # exactly: no rounding to excuse a swap
         torch.testing.assert_close(wts.cpu(), ref_wts, rtol=1e-5, atol=1e-6)
-        assert ids[0].tolist() == [3, 6, 4]
+        assert ids[:2].tolist() == [[3, 6, 4], [3, 1, 2]]
         assert torch.equal(rt.route_reference(x, w, k, norm, SCALING, 0, None, *args)[0].cpu(), ref_ids)
 
 
