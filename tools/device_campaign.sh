@@ -11,12 +11,20 @@ shift $(( $# < 2 ? $# : 2 ))
 . "$(dirname "$0")/device_site.sh" install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m | head -4
-# greedy scheduler: the ILP one needs pulp, which is not carried (16 MB)
+# greedy scheduler: the ILP one needs pulp, which is not carried (16 MB). Snakemake's log goes whole to $OUT (it comes
+# back) and only its tail here, so that what a call printed before (tests run in the same call) stays within the
+# device tool's output tail
 timeout "$budget" python3 -m snakemake --cores all --scheduler greedy --keep-going --rerun-incomplete \
   --configfile "$campaign" "$@" 2>&1 | grep --line-buffered -vE '^\s*(input|output|log|jobid|benchmark|reason|resources|wildcards|threads):' \
-  | tee "$OUT/snakemake.log"
+  > "$OUT/snakemake.log"
 rc=${PIPESTATUS[0]}
+echo "== snakemake exited $rc; the last lines of its log (whole: \$OUT/snakemake.log)"
+tail -n 25 "$OUT/snakemake.log"
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
-# the summary carries every table (parity, bench, overlap) and the verdicts
-for f in evidence/*/*/SUMMARY.md; do echo "== $f"; cat "$f"; done
+# the summary carries every table (parity, bench, overlap) and the verdicts; each also comes back as a file
+for f in evidence/*/*/SUMMARY.md; do
+  [ -e "$f" ] || continue
+  mkdir -p "$OUT/$(dirname "$f")" && cp "$f" "$OUT/$f"
+  echo "== $f"; cat "$f"
+done
 exit "$rc"
