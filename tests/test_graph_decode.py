@@ -297,8 +297,6 @@ def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
     dec, dev = fast.graph_decode, fast.embed_tokens.weight.device
     prompts, n = [PROMPT, LONGER, LONGER[::-1][:3], [200, *PROMPT]], 4
     max_len = len(LONGER) + 1  # one cache length at both batch sizes: the same attention sums
-    heads = []  # the lm_head's inputs, where the step runs eagerly
-    hook = None if dec.graphs else fast.lm_head.register_forward_hook(lambda mod, args, out: heads.append(args[0]))
     with torch.inference_mode():
         batch, alone = dec.cache(2 * n, max_len), []
         for r, p in enumerate(prompts):  # each prompt prefilled once, alone, its cache row copied to rows r and r + n
@@ -307,6 +305,8 @@ def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
             for row in (r, r + n):
                 batch.kv[:, row], batch.pe[:, row], batch.lengths[row] = one.kv[:, 0], one.pe[:, 0], one.lengths[0]
             alone.append(dec.step(one, torch.tensor([want[0]], device=dev))[0].double().cpu())
+        heads = []  # the batch step's lm_head input, where the step runs eagerly
+        hook = None if dec.graphs else fast.lm_head.register_forward_hook(lambda mod, args, out: heads.append(args[0]))
         got = dec.step(batch, torch.tensor([want[0]] * 2 * n, device=dev)).double().cpu()
     if hook is not None:
         hook.remove()
