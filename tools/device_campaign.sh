@@ -21,10 +21,11 @@ rc=${PIPESTATUS[0]}
 echo "== snakemake exited $rc; the last lines of its log (whole: \$OUT/snakemake.log)"
 tail -n 25 "$OUT/snakemake.log"
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
-# the summary carries every table (parity, bench, overlap) and the verdicts; each also comes back as a file
+# the summary carries every table (parity, bench, overlap) and the verdicts; each also comes back as a file, named
+# SUMMARY_<campaign>_<run>.md in $OUT itself (the device tool returns files at most two folders down)
 for f in evidence/*/*/SUMMARY.md; do
   [ -e "$f" ] || continue
-  mkdir -p "$OUT/$(dirname "$f")" && cp "$f" "$OUT/$f"
+  run=${f#evidence/} run=${run%/SUMMARY.md} && cp "$f" "$OUT/SUMMARY_${run//\//_}.md"
   echo "== $f"; cat "$f"
 done
 exit "$rc"
