@@ -2,7 +2,7 @@
 random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
 
     python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile] [--projections torch,triton] [--pdl on,off]
-        [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"]
+        [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"] [--cache-len 2048]
     python3 tools/device_decode.py --knockout   # each kind of launch's share of the replayed step
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import graph_decode  # noqa: E402
+from engine import generate as generate_module, graph_decode  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.generate import generate  # noqa: E402
 from engine.model import Transformer  # noqa: E402
@@ -209,6 +209,16 @@ def patched(patches):
         yield
 
 
+def cache_at_least(positions: int):
+    """``generate``'s caches hold at least ``positions`` a row inside the block (engine.serve's hold 2048 under
+    --join step, and the attention core cuts its position chunks from the cache's length); 0: the run's length."""
+    make = generate_module._cache
+
+    def at_least(model, rows: int, max_len: int):
+        return make(model, rows, max(max_len, positions))
+    return patched([(generate_module, "_cache", at_least)] if positions else [])
+
+
 def knobs_set(settings: str):
     """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block (``patched``)."""
     patches = []
@@ -231,6 +241,9 @@ def main() -> None:
                     "module.CONSTANT=value of kernels/, ',' between settings")
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     ap.add_argument("--knockout", action="store_true", help="only: each kind of launch's share of the replayed step")
+    ap.add_argument("--cache-len", type=int, default=0,
+                    help="positions a row's cache holds at least, every path and variant (0: the run's length; "
+                    "not with --knockout or --ep)")
     a = ap.parse_args()
     prompt = list(range(1000, 1012))
     if a.ep:
@@ -241,6 +254,7 @@ def main() -> None:
     from kernels import pdl
 
     rows, dec = [], None
+    cache_at_least(a.cache_len).__enter__()  # for the rest of the run
     torch_path = {batch: tpot(model, batch, a.tokens, prompt) for batch in (1, 8)}  # before any kernel is attached
     variants = [(p, o, "") for p in a.projections.split(",") for o in a.pdl.split(",")]
     variants += [("triton", "on", k) for k in a.knobs.split(";") if k]
@@ -281,7 +295,8 @@ def main() -> None:
           f"{'tok/s graph':>12}  tokens equal")
     for proj, batch, t0, t1, t_replay, same in rows:
         print(f"{proj:>34} {batch:5d} {t0:14.3f} {t1:14.3f} {t_replay:10.3f} {batch * 1e3 / t1:12.0f}  {same}")
-    print(json.dumps({"layers": a.layers, "rows": rows}))
+    print(f"cache: at least {a.cache_len} positions a row" if a.cache_len else "cache: the run's length a row")
+    print(json.dumps({"layers": a.layers, "cache_len": a.cache_len, "rows": rows}))
 
 
 if __name__ == "__main__":
