@@ -1,4 +1,4 @@
-"""tools/device_decode.py's knobs (the decode probe runs on a GPU; its settings' bookkeeping is tested here)."""
+"""tools/device_decode.py's settings (the decode probe runs on a GPU; its knobs' and --cache-len's bookkeeping is tested here)."""
 import importlib.util
 from pathlib import Path
 
@@ -24,3 +24,23 @@ def test_knobs_hold_inside_and_are_put_back_even_when_set_twice_or_on_error():
     with pytest.raises(AttributeError), tool.knobs_set(f"mla.SPLITS={splits + 1},mla.NO_SUCH_CONSTANT=1"):
         pass
     assert mla.SPLITS == splits
+
+
+def test_cache_len_gives_every_cache_of_generate_at_least_that_many_positions_and_is_put_back():
+    """--cache-len: the caches ``generate``'s rows decode in hold at least N positions a row inside the block (never
+    fewer than the run needs), and the run's own length again after it; 0 changes nothing."""
+    import torch
+
+    from engine.config import ModelArgs
+    from engine.generate import Rows
+    from engine.model import Transformer
+    from test_engine_kernels import MICRO
+
+    tool, model = _tool(), Transformer(ModelArgs.from_hf(MICRO)).eval()
+    with torch.inference_mode():
+        with tool.cache_at_least(64):
+            assert Rows(model, 1, 5).cache.max_len == 64
+            assert Rows(model, 2, 100).cache.max_len == 100
+        assert Rows(model, 1, 5).cache.max_len == 5
+        with tool.cache_at_least(0):
+            assert Rows(model, 1, 5).cache.max_len == 5
