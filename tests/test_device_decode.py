@@ -1,4 +1,5 @@
-"""tools/device_decode.py's settings (the decode probe runs on a GPU; its knobs' and --cache-len's bookkeeping is tested here)."""
+"""tools/device_decode.py's settings (the decode probe runs on a GPU; the bookkeeping of its knobs and
+--cache-len is tested here)."""
 import importlib.util
 from pathlib import Path
 
