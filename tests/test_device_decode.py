@@ -45,3 +45,20 @@ def test_cache_len_gives_every_cache_of_generate_at_least_that_many_positions_an
         assert Rows(model, 1, 5).cache.max_len == 5
         with tool.cache_at_least(0):
             assert Rows(model, 1, 5).cache.max_len == 5
+
+
+def test_carveout_knobs_hold_inside_are_put_back_and_must_name_a_kernel_and_a_percent():
+    """``carveout.module.kernel=percent`` beside the constants: in force inside the block only, and refused before
+    anything runs for a value outside 0-100 or a name that is no @triton.jit kernel."""
+    from kernels import gemv
+
+    tool, splits = _tool(), mla.SPLITS
+    with tool.knobs_set(f"mla.SPLITS={splits + 1},carveout.gemv._rows_kernel=30,carveout.mla._q_latent_kernel=0"):
+        assert tool.CARVEOUTS == {gemv._rows_kernel: 30, mla._q_latent_kernel: 0} and mla.SPLITS == splits + 1
+    assert tool.CARVEOUTS == {} and mla.SPLITS == splits
+    for bad in ("carveout.gemv._rows_kernel=101", "carveout.gemv._rows_kernel=-1", "carveout.gemv.MAX_K=30"):
+        with pytest.raises(ValueError, match="a carveout is a percent"), tool.knobs_set(bad):
+            pass
+    with pytest.raises(AttributeError), tool.knobs_set("carveout.gemv._no_such_kernel=30"):
+        pass
+    assert tool.CARVEOUTS == {}

@@ -2,7 +2,7 @@
 random bf16 weights built on the GPU, the torch path against the graph path (same weights), then TPOT.
 
     python3 tools/device_decode.py [--layers 27] [--tokens 32] [--profile] [--projections torch,triton] [--pdl on,off]
-        [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2"] [--cache-len 2048]
+        [--knobs "mla.SPLITS=1;moe.DOWN_BLOCK_N=2,moe.BLOCK_N=2;carveout.gemv._rows_kernel=30"] [--cache-len 2048]
     python3 tools/device_decode.py --knockout   # each kind of launch's share of the replayed step
     torchrun --nproc-per-node 2 tools/device_decode.py --ep      # expert parallelism, collective combine
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import ctypes
+import functools
 import importlib
 import json
 import statistics
@@ -219,15 +221,57 @@ def cache_at_least(positions: int):
     return patched([(generate_module, "_cache", at_least)] if positions else [])
 
 
+CARVEOUTS: dict = {}  # Triton kernel (its JITFunction) -> the shared-memory carveout it is launched with, in percent
+CARVEOUT_ATTRIBUTE = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; -1: the driver's choice
+
+
+@contextlib.contextmanager
 def knobs_set(settings: str):
-    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block (``patched``)."""
-    patches = []
+    """``module.CONSTANT=value`` settings of kernels/, ',' between them, in force inside the block (``patched``);
+    ``carveout.module.kernel=percent`` launches that Triton kernel (a ``@triton.jit`` function) with that
+    shared-memory carveout: the SM's split between L1 and shared memory, in percent of the most shared memory
+    (``carveouts``)."""
+    from triton.runtime.interpreter import InterpretedFunction  # a @triton.jit kernel under TRITON_INTERPRET=1
+    from triton.runtime.jit import JITFunction
+
+    patches, carve = [], {}
     for setting in filter(None, settings.split(",")):
         name, value = setting.split("=", 1)
-        mod, const = name.rsplit(".", 1)
+        mod, const = name.removeprefix("carveout.").rsplit(".", 1)
         mod = importlib.import_module(f"kernels.{mod}")
-        patches.append((mod, const, type(getattr(mod, const))(ast.literal_eval(value))))  # "False" is not bool("False")
-    return patched(patches)
+        if name.startswith("carveout."):
+            kernel = getattr(mod, const)
+            if not isinstance(kernel, (JITFunction, InterpretedFunction)) or not 0 <= int(value) <= 100:
+                raise ValueError(f"{setting}: a carveout is a percent, 0 to 100, of a @triton.jit kernel")
+            carve[kernel] = int(value)
+        else:  # "False" is not bool("False")
+            patches.append((mod, const, type(getattr(mod, const))(ast.literal_eval(value))))
+    if carve and torch.cuda.is_available():
+        carveouts()
+    with patched(patches), mock.patch.dict(CARVEOUTS, carve):
+        yield
+
+
+@functools.cache
+def carveouts() -> None:
+    """From now on each Triton launch sets its kernel's carveout (CARVEOUTS, else the driver's choice) on the compiled
+    function after it, where it differs from the last one set: the next launch runs under it, so a variant's graphs,
+    captured after their eager warm-up step, hold its own."""
+    from triton.runtime import jit
+
+    cuda, last, run = ctypes.CDLL("libcuda.so.1"), {}, jit.JITFunction.run
+
+    def carved(fn, *args, **kwargs):
+        kernel = run(fn, *args, **kwargs)
+        value = CARVEOUTS.get(fn, -1)
+        if kernel is not None and not kwargs.get("warmup") and last.get(kernel.function, -1) != value:
+            rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), CARVEOUT_ATTRIBUTE, ctypes.c_int(value))
+            if rc:
+                raise RuntimeError(f"cuFuncSetAttribute(carveout {value}) of {fn.fn.__name__}: CUDA error {rc}")
+            last[kernel.function] = value
+        return kernel
+
+    jit.JITFunction.run = carved
 
 
 def main() -> None:
@@ -238,7 +282,7 @@ def main() -> None:
     ap.add_argument("--projections", default="torch,triton", help="the dense projections of the graph step (torch first)")
     ap.add_argument("--pdl", default="on", help="programmatic dependent launch of the step's kernels: on, off or both")
     ap.add_argument("--knobs", default="", help="more variants (triton projections, PDL on), ';' between variants: "
-                    "module.CONSTANT=value of kernels/, ',' between settings")
+                    "module.CONSTANT=value of kernels/, or carveout.module.kernel=percent, ',' between settings")
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     ap.add_argument("--knockout", action="store_true", help="only: each kind of launch's share of the replayed step")
     ap.add_argument("--cache-len", type=int, default=0,
