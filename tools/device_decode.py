@@ -298,25 +298,25 @@ def main() -> None:
     from kernels import pdl
 
     rows, dec = [], None
-    cache_at_least(a.cache_len).__enter__()  # for the rest of the run
-    torch_path = {batch: tpot(model, batch, a.tokens, prompt) for batch in (1, 8)}  # before any kernel is attached
-    variants = [(p, o, "") for p in a.projections.split(",") for o in a.pdl.split(",")]
-    variants += [("triton", "on", k) for k in a.knobs.split(";") if k]
-    for projections, on, knobs in variants:
-        model.graph_decode = dec = None  # frees the last variant's expert stacks and graphs (~30 GB)
-        torch.cuda.empty_cache()
-        pdl.ENABLED = on == "on"  # read at capture: each variant's graphs keep their own launches
-        with knobs_set(knobs):
-            dec = graph_decode.GraphDecode(model, projections)
-            label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
-            for batch in (1, 8):
-                t_torch, tok_torch = torch_path[batch]
-                model.graph_decode = dec
-                t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
-                t_replay = replay_ms(dec, batch, len(prompt), a.tokens - 2) if dec.graphs else float("nan")
-                same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
-                rows.append((label, batch, t_torch, t_graph, t_replay,
-                             "all" if same is None else f"first {same}"))
+    with cache_at_least(a.cache_len):  # every measured step's cache (the profile below sizes its own)
+        torch_path = {batch: tpot(model, batch, a.tokens, prompt) for batch in (1, 8)}  # before any kernel is attached
+        variants = [(p, o, "") for p in a.projections.split(",") for o in a.pdl.split(",")]
+        variants += [("triton", "on", k) for k in a.knobs.split(";") if k]
+        for projections, on, knobs in variants:
+            model.graph_decode = dec = None  # frees the last variant's expert stacks and graphs (~30 GB)
+            torch.cuda.empty_cache()
+            pdl.ENABLED = on == "on"  # read at capture: each variant's graphs keep their own launches
+            with knobs_set(knobs):
+                dec = graph_decode.GraphDecode(model, projections)
+                label = knobs or f"{projections}{'' if on == 'on' else ' no PDL'}"
+                for batch in (1, 8):
+                    t_torch, tok_torch = torch_path[batch]
+                    model.graph_decode = dec
+                    t_graph, tok_graph = tpot(model, batch, a.tokens, prompt)
+                    t_replay = replay_ms(dec, batch, len(prompt), a.tokens - 2) if dec.graphs else float("nan")
+                    same = next((i for i, (x, y) in enumerate(zip(tok_torch, tok_graph)) if x != y), None)
+                    rows.append((label, batch, t_torch, t_graph, t_replay,
+                                 "all" if same is None else f"first {same}"))
 
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
