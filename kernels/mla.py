@@ -140,9 +140,10 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part,
                              L: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
                              BLOCK_DR: tl.constexpr, BLOCK_L: tl.constexpr, L_STAGES: tl.constexpr,
                              STATIC_BOUND: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, h, c): over the live positions of chunk c (CHUNK positions from c*CHUNK), the running max m of
-    the latent scores, l = sum of exp(score - m) and o = sum of exp(score - m) * kv, fp32: o_part[b, h, c] = o,
-    ml_part[b, h, c] = (m, l); a chunk with no live position gives (-inf, 0) and o = 0."""
+    """Program (b, h, c): over the live positions of chunk c (the row's live BLOCK_L tiles shared out in runs of
+    equal length, so that however few of the cache's L positions are live, they spread over every chunk), the
+    running max m of the latent scores, l = sum of exp(score - m) and o = sum of exp(score - m) * kv, fp32:
+    o_part[b, h, c] = o, ml_part[b, h, c] = (m, l); a chunk with no live position gives (-inf, 0) and o = 0."""
     pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -154,15 +155,18 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part,
     d = tl.arange(0, BLOCK_DR)
     dm = d < DR
     q_pe = tl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(tl.float32)
-    lo = c * CHUNK
-    hi = tl.minimum(tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L), lo + CHUNK)  # past the chunk's live end
+    live = tl.minimum(tl.load(pos + b).to(tl.int32) + 1, L)
+    chunk = tl.cdiv(tl.cdiv(live, BLOCK_L), SPLITS) * BLOCK_L
+    lo = c * chunk
+    hi = tl.minimum(live, lo + chunk)  # past the chunk's live end
     row = (layer * rows + b).to(tl.int64) * L
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     # The interpreter cannot take a loop bound loaded from memory (its scalars are 1-element arrays, which
-    # numpy refuses as an index): there the loop runs over the whole chunk, and the tiles past hi, fully
-    # masked, change nothing (m_safe below keeps a chunk with nothing live yet at exp(-inf) = 0, not NaN).
+    # numpy refuses as an index): there the loop runs over CHUNK positions, the most a chunk can hold, and the
+    # tiles past hi, fully masked, change nothing (m_safe below keeps a chunk with nothing live yet at exp(-inf) =
+    # 0, not NaN).
     for i in tl.range(0, CHUNK if STATIC_BOUND else hi - lo, BLOCK_L, num_stages=L_STAGES):
         lpos = lo + i + tl.arange(0, BLOCK_L)
         lm = lpos < hi
@@ -365,7 +369,7 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write
     nope = hd - Dr
     V = w_kv.shape[1] - nope
     splits = max(1, min(SPLITS, triton.cdiv(PROGRAMS, B * H), triton.cdiv(L, BLOCK_L)))
-    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L  # whole position blocks a chunk
+    chunk = triton.cdiv(triton.cdiv(L, splits), BLOCK_L) * BLOCK_L  # the most a chunk holds: a full cache's share
     q_lat = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
     o_part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
     ml_part = torch.empty(B, H, splits, 2, dtype=torch.float32, device=q.device)

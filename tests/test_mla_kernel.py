@@ -171,6 +171,40 @@ def test_attention_split_over_positions(splits, gen, monkeypatch):
     assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
 
 
+class _PartialsSpy:
+    """Stands in for mla._out_kernel: keeps a copy of each launch's chunk partials (m, l), then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.ml = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(w_kv, o_part, ml_part, *args, **kwargs):
+            self.ml.append(ml_part.clone())
+            return self.kernel[grid](w_kv, o_part, ml_part, *args, **kwargs)
+        return launch
+
+
+def test_attention_spreads_a_rows_live_positions_over_every_chunk(gen, monkeypatch):
+    """A row's live positions are shared out over the chunks whatever the cache's length (DECODE.md, a cache
+    longer than its rows): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
+    position fills chunk 0 alone. Chunks cut from the cache's length would leave the short rows in chunk 0."""
+    monkeypatch.setattr(mla, "BLOCK_L", 4)
+    monkeypatch.setattr(mla, "SPLITS", 4)
+    monkeypatch.setattr(mla, "PROGRAMS", 10**6)
+    spy = _PartialsSpy(mla._out_kernel)
+    monkeypatch.setattr(mla, "_out_kernel", spy)
+    q, w_kv, cache_kv, cache_pe, _, scale = attention_problem(3, torch.float32, gen)
+    pos = torch.tensor([15, 40, 0], device=DEV)
+    stale(cache_kv, pos, float("nan"))
+    out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
+    assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
+    (ml,) = spy.ml
+    filled = (ml[..., 1] > 0).all(dim=1)  # [B, splits]: the chunk's l > 0 for every head
+    empty = (ml[..., 1] == 0).all(dim=1)
+    want = torch.tensor([[True] * 4, [True] * 4, [True, False, False, False]], device=DEV)
+    assert torch.equal(filled, want) and torch.equal(empty, ~want)
+
+
 def test_attention_ragged_weight_slices(gen, monkeypatch):
     """q_lat and the output spread over several programs a head, each with a masked last slice (and W_UK rows
     loaded in several steps): the same result."""
