@@ -185,8 +185,8 @@ class _PartialsSpy:
 
 
 def test_attention_spreads_a_rows_live_positions_over_every_chunk(gen, monkeypatch):
-    """A row's live positions are shared out over the chunks whatever the cache's length (DECODE.md, a cache
-    longer than its rows): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
+    """A row's live positions are shared out over the chunks whatever the cache's length (engine/DECODE.md
+    v30): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
     position fills chunk 0 alone. Chunks cut from the cache's length would leave the short rows in chunk 0."""
     monkeypatch.setattr(mla, "BLOCK_L", 4)
     monkeypatch.setattr(mla, "SPLITS", 4)
