@@ -184,7 +184,8 @@ class _PartialsSpy:
         return launch
 
 
-def test_attention_spreads_a_rows_live_positions_over_every_chunk(gen, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_spreads_a_rows_live_positions_over_every_chunk(dtype, gen, monkeypatch):
     """A row's live positions are shared out over the chunks whatever the cache's length (engine/DECODE.md
     v30): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
     position fills chunk 0 alone. Chunks cut from the cache's length would leave the short rows in chunk 0."""
@@ -193,11 +194,11 @@ def test_attention_spreads_a_rows_live_positions_over_every_chunk(gen, monkeypat
     monkeypatch.setattr(mla, "PROGRAMS", 10**6)
     spy = _PartialsSpy(mla._out_kernel)
     monkeypatch.setattr(mla, "_out_kernel", spy)
-    q, w_kv, cache_kv, cache_pe, _, scale = attention_problem(3, torch.float32, gen)
+    q, w_kv, cache_kv, cache_pe, _, scale = attention_problem(3, dtype, gen)
     pos = torch.tensor([15, 40, 0], device=DEV)
     stale(cache_kv, pos, float("nan"))
     out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
-    assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
+    assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), dtype)
     (ml,) = spy.ml
     filled = (ml[..., 1] > 0).all(dim=1)  # [B, splits]: the chunk's l > 0 for every head
     empty = (ml[..., 1] == 0).all(dim=1)
