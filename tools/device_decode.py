@@ -213,7 +213,7 @@ def patched(patches):
 
 def cache_at_least(positions: int):
     """``generate``'s caches hold at least ``positions`` a row inside the block (engine.serve's hold 2048 under
-    --join step, and the attention core cuts its position chunks from the cache's length); 0: the run's length."""
+    --join step; engine/DECODE.md v29-v30 measured what that cost the attention core); 0: the run's length."""
     make = generate_module._cache
 
     def at_least(model, rows: int, max_len: int):
