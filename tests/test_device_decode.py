@@ -62,3 +62,35 @@ def test_carveout_knobs_hold_inside_are_put_back_and_must_name_a_kernel_and_a_pe
     with pytest.raises(AttributeError), tool.knobs_set("carveout.gemv._no_such_kernel=30"):
         pass
     assert tool.CARVEOUTS == {}
+
+
+@pytest.mark.parametrize("mode", ["--ep", "--knockout"])
+@pytest.mark.parametrize("setting", [["--cache-len", "2048"], ["--knobs", "mla.SPLITS=2"], ["--pdl", "off"],
+                                     ["--projections", "triton"], ["--profile"]])
+def test_a_setting_the_mode_does_not_read_is_refused_before_the_model_is_built(mode, setting, monkeypatch, capsys):
+    """--ep and --knockout run their own step, so a setting only the timed variants read is an error naming it, before
+    anything is built (it was silently ignored: a figure taken "at 2048 positions" that never was)."""
+    tool = _tool()
+    monkeypatch.setattr(tool, "build", lambda *a, **k: pytest.fail("built before the settings were checked"))
+    with pytest.raises(SystemExit) as exit_:
+        tool.main([mode, *setting])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{setting[0]} not read with {mode}" in err
+
+
+def test_ep_and_knockout_together_are_refused_and_the_modes_own_settings_pass_the_check(monkeypatch):
+    tool = _tool()
+    with pytest.raises(SystemExit):
+        tool.main(["--ep", "--knockout"])
+
+    class Built(Exception):
+        pass
+
+    def build(layers, *rest):
+        raise Built(layers)
+
+    monkeypatch.setattr(tool, "build", build)
+    with pytest.raises(Built) as built:
+        tool.main(["--knockout", "--layers", "2", "--tokens", "4"])
+    assert built.value.args == (2,)

@@ -274,7 +274,21 @@ def carveouts() -> None:
     jit.JITFunction.run = carved
 
 
-def main() -> None:
+PROBE_ONLY = ("profile", "projections", "pdl", "knobs", "cache_len")  # read by the timed variants alone
+
+
+def refuse_ignored(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--ep and --knockout run their own step: a setting only the timed variants read is refused before the model is
+    built, so no figure is taken for one made with a setting that was never applied."""
+    if a.ep and a.knockout:
+        ap.error("--ep and --knockout are separate runs: give one of them")
+    mode = "--ep" if a.ep else "--knockout" if a.knockout else None
+    unread = [f"--{name.replace('_', '-')}" for name in PROBE_ONLY if getattr(a, name) != ap.get_default(name)]
+    if mode and unread:
+        ap.error(f"{', '.join(unread)} not read with {mode}: run the probe without {mode} for those")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tokens", type=int, default=32)
@@ -286,9 +300,9 @@ def main() -> None:
     ap.add_argument("--ep", action="store_true", help="under torchrun: single GPU against expert parallelism")
     ap.add_argument("--knockout", action="store_true", help="only: each kind of launch's share of the replayed step")
     ap.add_argument("--cache-len", type=int, default=0,
-                    help="positions a row's cache holds at least, every path and variant (0: the run's length; "
-                    "not with --knockout or --ep)")
-    a = ap.parse_args()
+                    help="positions a row's cache holds at least, every path and variant (0: the run's length)")
+    a = ap.parse_args(argv)
+    refuse_ignored(ap, a)
     prompt = list(range(1000, 1012))
     if a.ep:
         return expert_parallel(a, prompt)
