@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from . import _l2, pdl
 from ._admit import device_reason, dtype_reason, interpreting
@@ -42,6 +44,12 @@ NUM_WARPS = 4  # the attention core: 8 took the b1 step 1.79 -> 1.85 ms on an H2
 W_STAGES = 2  # pipeline stages (cp.async) of the W_UK loop
 L_STAGES = 3  # and of the position loop
 WRITE_WARPS = SLICE_WARPS  # mla_decode writes in the q-latent launch: the same warps, the same bits
+# The attention core on a GPU in Gluon, its layout chosen: a tile's positions in each thread's registers and across
+# CORE_LANES lanes, the latent across the warp's other lanes and every warp (engine/DECODE.md v31)
+GLUON_CORE = True
+CORE_LANES = 4
+CORE_VEC = 8  # latent values a thread loads at once (16 bytes in bf16)
+CORE_EARLY = False
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------
@@ -187,6 +195,103 @@ def _latent_attention_kernel(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part,
     tl.store(o_part + part * R + r, acc, mask=rm)
     tl.store(ml_part + part * 2, m_i)
     tl.store(ml_part + part * 2 + 1, l_i)
+
+
+@gluon.jit
+def _gl_wait():
+    """pdl.wait in Gluon: wait for the previous launch, then let the next one launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gl_tile(kv, pe, p_kv, hi, ql, q_pe, scale, m_i, l_i, acc, KV: gl.constexpr):
+    """The online softmax over one tile of positions p_kv (live below hi): (m, l, o) updated."""
+    # the positions sit alike in both layouts: this conversion moves nothing
+    s_pe = gl.convert_layout(gl.sum(pe * q_pe[None, :], axis=1), gl.SliceLayout(1, KV), assert_trivial=True)
+    s = (gl.sum(kv * ql[None, :], axis=1) + s_pe) * scale
+    s = gl.where(p_kv < hi, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp(m_i - m_safe)
+    pr = gl.exp(s - m_safe)
+    return m_new, l_i * alpha + gl.sum(pr, axis=0), acc * alpha + gl.sum(pr[:, None] * kv, axis=0)
+
+
+@gluon.jit(do_not_specialize=["layer", "rows"])
+def _latent_attention_gluon(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, scale, layer, rows,
+                            H: gl.constexpr, NOPE: gl.constexpr, DR: gl.constexpr, R: gl.constexpr, L: gl.constexpr,
+                            SPLITS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_DR: gl.constexpr,
+                            BLOCK_L: gl.constexpr, LANES: gl.constexpr, VEC: gl.constexpr, VEC_PE: gl.constexpr,
+                            WARPS: gl.constexpr, EARLY: gl.constexpr, PDL: gl.constexpr):
+    """_latent_attention_kernel's work with its layout set: the scores' sum over the latent crosses the warps once;
+    the max, the sum of p and the weighted sum over positions stay inside each thread and its LANES lanes. With
+    EARLY, the chunk's first tile is read before the wait on the launch before (earlier steps wrote it; pos is the
+    step's input), and only the row at pos, which that launch writes, after it."""
+    KV: gl.constexpr = gl.BlockedLayout([BLOCK_L // LANES, VEC], [LANES, 32 // LANES], [1, WARPS], [1, 0])
+    PE: gl.constexpr = gl.BlockedLayout([BLOCK_L // LANES, VEC_PE], [LANES, 32 // LANES], [1, WARPS], [1, 0])
+    if PDL and not EARLY:
+        _gl_wait()
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    c = gl.program_id(2)
+    r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, KV))
+    rm = r < R
+    d = gl.arange(0, BLOCK_DR, layout=gl.SliceLayout(0, PE))
+    dm = d < DR
+    bh = (b * H + h).to(gl.int64)
+    p_now = gl.load(pos + b).to(gl.int32)
+    live = gl.minimum(p_now + 1, L)
+    chunk = gl.cdiv(gl.cdiv(live, BLOCK_L), SPLITS) * BLOCK_L
+    lo = c * chunk
+    hi = gl.minimum(live, lo + chunk)
+    row = (layer * rows + b).to(gl.int64) * L
+    p_kv = lo + gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, KV))
+    p_pe = lo + gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, PE))
+    kv_at = cache_kv + (row + p_kv)[:, None] * R + r[None, :]
+    pe_at = cache_pe + (row + p_pe)[:, None] * DR + d[None, :]
+    kv_in = (p_kv < hi)[:, None] & rm[None, :]
+    pe_in = (p_pe < hi)[:, None] & dm[None, :]
+    if EARLY:
+        old = (p_kv != p_now)[:, None]
+        old_pe = (p_pe != p_now)[:, None]
+        kv = gl.load(kv_at, mask=kv_in & old, other=0.0)
+        pe = gl.load(pe_at, mask=pe_in & old_pe, other=0.0)
+        if PDL:
+            _gl_wait()
+        kv = gl.where(old, kv, gl.load(kv_at, mask=kv_in & (p_kv == p_now)[:, None], other=0.0))
+        pe = gl.where(old_pe, pe, gl.load(pe_at, mask=pe_in & (p_pe == p_now)[:, None], other=0.0))
+    else:
+        kv = gl.load(kv_at, mask=kv_in, other=0.0)
+        pe = gl.load(pe_at, mask=pe_in, other=0.0)
+    ql = gl.load(q_lat + bh * R + r, mask=rm, other=0.0)
+    q_pe = gl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(gl.float32)
+    m_i = gl.max(gl.full([BLOCK_L], float("-inf"), gl.float32, layout=gl.SliceLayout(1, KV)), axis=0)
+    l_i = gl.sum(gl.zeros([BLOCK_L], gl.float32, layout=gl.SliceLayout(1, KV)), axis=0)
+    acc = gl.zeros([BLOCK_R], gl.float32, layout=gl.SliceLayout(0, KV))
+    # the first tile (all masked in a chunk with nothing live: it changes nothing), then the rest
+    m_i, l_i, acc = _gl_tile(kv.to(gl.float32), pe.to(gl.float32), p_kv, hi, ql, q_pe, scale, m_i, l_i, acc, KV)
+    for i in range(BLOCK_L, hi - lo, BLOCK_L):
+        kv_i = gl.load(kv_at + i * R, mask=((p_kv + i) < hi)[:, None] & rm[None, :], other=0.0)
+        pe_i = gl.load(pe_at + i * DR, mask=((p_pe + i) < hi)[:, None] & dm[None, :], other=0.0)
+        m_i, l_i, acc = _gl_tile(kv_i.to(gl.float32), pe_i.to(gl.float32), p_kv + i, hi, ql, q_pe, scale, m_i, l_i,
+                                 acc, KV)
+    part = bh * SPLITS + c
+    gl.store(o_part + part * R + r, acc, mask=rm)
+    gl.store(ml_part + part * 2, m_i)
+    gl.store(ml_part + part * 2 + 1, l_i)
+
+
+def _gluon_core(block_r: int, block_dr: int) -> dict | None:
+    """The Gluon core's layout constants for these tiles, or None where its layout does not fit them (a replicated
+    element would be summed twice), or under the interpreter, which cannot run Gluon: the Triton core runs."""
+    spread, warps = 32 // CORE_LANES, NUM_WARPS
+    vec_pe = min(CORE_VEC, block_dr // (spread * warps))
+    if not GLUON_CORE or interpreting() or BLOCK_L % CORE_LANES or block_r < CORE_VEC * spread * warps or vec_pe < 1:
+        return None
+    return dict(BLOCK_L=BLOCK_L, LANES=CORE_LANES, VEC=CORE_VEC, VEC_PE=vec_pe, WARPS=warps, EARLY=CORE_EARLY,
+                num_warps=warps)
 
 
 @triton.jit
@@ -383,10 +488,16 @@ def _launch_attention(q, w_kv, cache_kv, cache_pe, layer, pos, scale, out, write
         BLOCK_N=min(BLOCK_N, triton.next_power_of_2(nope)), BLOCK_R=slice_r, STAGES=W_STAGES,
         WRITE=write is not None, FULL_R=block_r, BLOCK_P=triton.next_power_of_2(Dr // 2), num_warps=SLICE_WARPS,
         **flags)
-    k2 = _latent_attention_kernel[(B, H, splits)](
-        q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
-        L=L, CHUNK=chunk, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=triton.next_power_of_2(Dr), BLOCK_L=BLOCK_L,
-        L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
+    block_dr = triton.next_power_of_2(Dr)
+    if (layout := _gluon_core(block_r, block_dr)) is not None:
+        k2 = _latent_attention_gluon[(B, H, splits)](
+            q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
+            L=L, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=block_dr, **layout, **flags)
+    else:
+        k2 = _latent_attention_kernel[(B, H, splits)](
+            q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, float(scale), layer, rows, H=H, NOPE=nope, DR=Dr, R=R,
+            L=L, CHUNK=chunk, SPLITS=splits, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_L=BLOCK_L,
+            L_STAGES=L_STAGES, STATIC_BOUND=interpreting(), num_warps=NUM_WARPS, **flags)
     grid = (B, H, triton.cdiv(V, slice_v))
     k3 = _out_kernel[grid](
         w_kv, o_part, ml_part, out, H=H, NOPE=nope, R=R, V=V, SPLITS=splits, BLOCK_R=block_r, BLOCK_V=slice_v,

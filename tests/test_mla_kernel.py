@@ -32,6 +32,20 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+@pytest.fixture(params=["triton", "gluon"] if CUDA else ["triton"])
+def core(request, monkeypatch):
+    """The attention core each attention test runs: on a GPU both, Triton's and the Gluon one (which the interpreter
+    cannot run), each asserted to be the one launched at these shapes."""
+    monkeypatch.setattr(mla, "GLUON_CORE", request.param == "gluon")
+    return request.param
+
+
+def assert_core(core, block_r=None):
+    """The Gluon core is admitted at this test's shapes exactly when asked for."""
+    block_r = block_r or 1 << (SHAPE["R"] - 1).bit_length()
+    assert (mla._gluon_core(block_r, 1 << (SHAPE["DR"] - 1).bit_length()) is not None) == (core == "gluon")
+
+
 @pytest.fixture
 def gen():
     g = torch.Generator(device=DEV)
@@ -130,11 +144,12 @@ def test_cache_write_is_the_engine_rmsnorm_and_rope(B, dtype, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", BATCHES)
-def test_attention_matches_fp64_and_never_reads_stale_positions(B, dtype, gen):
+def test_attention_matches_fp64_and_never_reads_stale_positions(B, dtype, core, gen):
     q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(B, dtype, gen)
     stale(cache_kv, pos, float("nan"))
     stale(cache_pe, pos, float("nan"))
     assert mla.mla_reason(q, w_kv, cache_kv, cache_pe, LAYER, pos) is None
+    assert_core(core)
     out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
     ref = reference(q, w_kv, cache_kv, cache_pe, pos, scale)
     assert_attention_close(out, ref, dtype)
@@ -147,24 +162,26 @@ def test_attention_matches_fp64_and_never_reads_stale_positions(B, dtype, gen):
 
 
 @pytest.mark.parametrize("block_l", [4, 32] if CUDA else [4, 64])
-def test_attention_any_position_block(block_l, gen, monkeypatch):
+def test_attention_any_position_block(block_l, core, gen, monkeypatch):
     """Many online-softmax steps with a ragged last one, or (on the CPU) one block longer than the whole cache.
     (A block of 64 at R=512 in fp32 would need 311 KB of shared memory.)"""
     monkeypatch.setattr(mla, "BLOCK_L", block_l)
     q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(3, torch.float32, gen)
+    assert_core(core)
     stale(cache_kv, pos, float("nan"))
     out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
     assert_attention_close(out, reference(q, w_kv, cache_kv, cache_pe, pos, scale), torch.float32)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64])
-def test_attention_split_over_positions(splits, gen, monkeypatch):
+def test_attention_split_over_positions(splits, core, gen, monkeypatch):
     """The core split into position chunks (one; several, the last ragged; more than the cache has blocks, so
     capped) merged by the output kernel: rows whose only live position is 0 leave every later chunk empty, and
     stale NaNs past each row's position reach no chunk."""
     monkeypatch.setattr(mla, "BLOCK_L", 4)
     monkeypatch.setattr(mla, "SPLITS", splits)
     monkeypatch.setattr(mla, "PROGRAMS", 10**6)  # SPLITS alone decides, whatever B * H
+    assert_core(core)
     q, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(4, torch.float32, gen)
     stale(cache_kv, pos, float("nan"))
     out = mla.mla_attention(q, w_kv, cache_kv, cache_pe, LAYER, pos, scale)
@@ -185,7 +202,7 @@ class _PartialsSpy:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_spreads_a_rows_live_positions_over_every_chunk(dtype, gen, monkeypatch):
+def test_attention_spreads_a_rows_live_positions_over_every_chunk(dtype, core, gen, monkeypatch):
     """A row's live positions are shared out over the chunks whatever the cache's length (engine/DECODE.md
     v30): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
     position fills chunk 0 alone. Chunks cut from the cache's length would leave the short rows in chunk 0."""
@@ -194,6 +211,7 @@ def test_attention_spreads_a_rows_live_positions_over_every_chunk(dtype, gen, mo
     monkeypatch.setattr(mla, "PROGRAMS", 10**6)
     spy = _PartialsSpy(mla._out_kernel)
     monkeypatch.setattr(mla, "_out_kernel", spy)
+    assert_core(core)
     q, w_kv, cache_kv, cache_pe, _, scale = attention_problem(3, dtype, gen)
     pos = torch.tensor([15, 40, 0], device=DEV)
     stale(cache_kv, pos, float("nan"))
@@ -288,7 +306,7 @@ def test_kernels_reproduce_the_einsum_attention_of_a_tiny_model(q_lora_rank):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", BATCHES)
-def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, gen):
+def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, core, gen):
     """mla_decode (the cache write riding with the first attention launch) against mla_cache_write then
     mla_attention: the same arithmetic, so the same bits in the output, the caches and q, also while its last launch
     asks a later launch's weights into L2 (``ahead``); and where the kernels do not admit the inputs (a latent wider
@@ -298,6 +316,7 @@ def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, gen)
     kv_a = rand(gen, B, S["R"] + S["DR"], dtype=dtype, scale=3.0)
     norm_w, inv_freq = (rand(gen, S["R"], scale=0.5) + 1).to(dtype), inv_freq_of(S["DR"])
     later = (rand(gen, 3 * S["R"], S["R"], dtype=dtype), rand(gen, 7, 40, dtype=dtype))  # a later launch's weights
+    assert_core(core)
 
     def run(fused, ahead=()):
         t = [x.clone() for x in (q, cache_kv, cache_pe)]
@@ -406,11 +425,12 @@ def test_ahead_asks_for_what_a_bulk_prefetch_can_take(monkeypatch):
 # ---- CUDA graphs --------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay_with_new_positions(gen):
+def test_cuda_graph_replay_with_new_positions(core, gen):
     S, B, dtype = SHAPE, 4, torch.bfloat16
     q_src, w_kv, cache_kv, cache_pe, pos, scale = attention_problem(B, dtype, gen)
     kv_a, norm_w = rand(gen, B, S["R"] + S["DR"], dtype=dtype), rand(gen, S["R"], dtype=dtype) + 1
     inv_freq, q = inv_freq_of(S["DR"]), torch.empty_like(q_src)
+    assert_core(core)
 
     def step():
         q.copy_(q_src)  # the write rotates q in place: each replay starts from the projection's output
