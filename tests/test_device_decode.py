@@ -94,3 +94,9 @@ def test_ep_and_knockout_together_are_refused_and_the_modes_own_settings_pass_th
     with pytest.raises(Built) as built:
         tool.main(["--knockout", "--layers", "2", "--tokens", "4"])
     assert built.value.args == (2,)
+
+
+def test_the_knockout_leaves_out_every_attention_core_mla_has():
+    """--knockout's "mla attention core" replaces each core by name: a renamed or added core would run on."""
+    names = {n for n in dir(mla) if n.startswith("_latent_attention")}
+    assert names == set(_tool().CORES)

@@ -343,6 +343,27 @@ def test_decode_in_three_launches_is_the_write_then_the_attention(B, dtype, core
 
 # ---- fallbacks and errors ----------------------------------------------------------------------------------------
 
+def test_gluon_core_takes_only_tiles_its_layout_covers(monkeypatch):
+    """The Gluon core's layout spreads a tile's latent over 8 values x 8 lanes x 4 warps (256) and its rope dims over
+    32 lanes x warps: narrower tiles, a position block its 4 lanes do not divide, the interpreter (which cannot run
+    Gluon) or the switch off leave the Triton core (None)."""
+    monkeypatch.setattr(mla, "interpreting", lambda: False)
+    monkeypatch.setattr(mla, "GLUON_CORE", True)
+    layout = mla._gluon_core(512, 64)
+    assert layout is not None and layout["BLOCK_L"] % layout["LANES"] == 0 and layout["VEC_PE"] == 2
+    assert mla._gluon_core(256, 32) is not None  # exactly covered: 8 x 8 x 4 latent values, 1 x 8 x 4 rope dims
+    assert mla._gluon_core(128, 64) is None  # latent narrower than the layout
+    assert mla._gluon_core(512, 16) is None  # rope dims narrower than the layout
+    monkeypatch.setattr(mla, "BLOCK_L", 6)
+    assert mla._gluon_core(512, 64) is None
+    monkeypatch.setattr(mla, "BLOCK_L", 16)
+    monkeypatch.setattr(mla, "GLUON_CORE", False)
+    assert mla._gluon_core(512, 64) is None
+    monkeypatch.setattr(mla, "GLUON_CORE", True)
+    monkeypatch.setattr(mla, "interpreting", lambda: True)
+    assert mla._gluon_core(512, 64) is None
+
+
 def test_inadmissible_inputs_take_the_torch_path(gen, monkeypatch):
     S = SHAPE
     DR, R = S["DR"], S["R"]

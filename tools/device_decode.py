@@ -98,6 +98,9 @@ def replay_ms(dec, batch: int, start: int, n: int) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
 
+CORES = ("_latent_attention_kernel", "_latent_attention_gluon")  # kernels/mla.py's two attention cores
+
+
 class _Skip:
     """A Triton kernel that launches nothing."""
 
@@ -133,9 +136,9 @@ def knockout(model, prompt: list[int]) -> None:
         "nothing": [],
         "q + kv_a projection": [(graph_decode, "project_pair", pair)],
         "mla q absorb + cache write": [(mla, "_q_latent_kernel", _Skip())],
-        "mla attention core": [(mla, "_latent_attention_kernel", _Skip())],
+        "mla attention core": [(mla, k, _Skip()) for k in CORES],
         "mla output absorb": [(mla, "_out_kernel", _Skip())],
-        "mla, all three": [(mla, k, _Skip()) for k in ("_q_latent_kernel", "_latent_attention_kernel", "_out_kernel")],
+        "mla, all three": [(mla, k, _Skip()) for k in ("_q_latent_kernel", *CORES, "_out_kernel")],
         "o_proj": o_proj,
         "add + norm + router": [(route, "add_norm_route", routes)],
         "experts (gate_up + down)": [(moe, "experts_gate_up", lambda x, *_: x), (moe, "experts_down", down)],
