@@ -49,7 +49,6 @@ WRITE_WARPS = SLICE_WARPS  # mla_decode writes in the q-latent launch: the same 
 GLUON_CORE = True
 CORE_LANES = 4
 CORE_VEC = 8  # latent values a thread loads at once (16 bytes in bf16)
-CORE_EARLY = False
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------
@@ -205,33 +204,18 @@ def _gl_wait():
                               is_pure=False, pack=1)
 
 
-@gluon.jit
-def _gl_tile(kv, pe, p_kv, hi, ql, q_pe, scale, m_i, l_i, acc, KV: gl.constexpr):
-    """The online softmax over one tile of positions p_kv (live below hi): (m, l, o) updated."""
-    # the positions sit alike in both layouts: this conversion moves nothing
-    s_pe = gl.convert_layout(gl.sum(pe * q_pe[None, :], axis=1), gl.SliceLayout(1, KV), assert_trivial=True)
-    s = (gl.sum(kv * ql[None, :], axis=1) + s_pe) * scale
-    s = gl.where(p_kv < hi, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp(m_i - m_safe)
-    pr = gl.exp(s - m_safe)
-    return m_new, l_i * alpha + gl.sum(pr, axis=0), acc * alpha + gl.sum(pr[:, None] * kv, axis=0)
-
-
 @gluon.jit(do_not_specialize=["layer", "rows"])
 def _latent_attention_gluon(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, scale, layer, rows,
                             H: gl.constexpr, NOPE: gl.constexpr, DR: gl.constexpr, R: gl.constexpr, L: gl.constexpr,
                             SPLITS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_DR: gl.constexpr,
                             BLOCK_L: gl.constexpr, LANES: gl.constexpr, VEC: gl.constexpr, VEC_PE: gl.constexpr,
-                            WARPS: gl.constexpr, EARLY: gl.constexpr, PDL: gl.constexpr):
-    """_latent_attention_kernel's work with its layout set: the scores' sum over the latent crosses the warps once;
-    the max, the sum of p and the weighted sum over positions stay inside each thread and its LANES lanes. With
-    EARLY, the chunk's first tile is read before the wait on the launch before (earlier steps wrote it; pos is the
-    step's input), and only the row at pos, which that launch writes, after it."""
+                            WARPS: gl.constexpr, PDL: gl.constexpr):
+    """_latent_attention_kernel's work, the same chunks and partials, with its layout set: the scores' sum over the
+    latent crosses the warps once; the max, the sum of p and the weighted sum over positions stay inside each thread
+    and its LANES lanes (Triton's own choice put positions across the warps: three cross-warp sums a tile)."""
     KV: gl.constexpr = gl.BlockedLayout([BLOCK_L // LANES, VEC], [LANES, 32 // LANES], [1, WARPS], [1, 0])
     PE: gl.constexpr = gl.BlockedLayout([BLOCK_L // LANES, VEC_PE], [LANES, 32 // LANES], [1, WARPS], [1, 0])
-    if PDL and not EARLY:
+    if PDL:
         _gl_wait()
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -241,42 +225,36 @@ def _latent_attention_gluon(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, 
     d = gl.arange(0, BLOCK_DR, layout=gl.SliceLayout(0, PE))
     dm = d < DR
     bh = (b * H + h).to(gl.int64)
-    p_now = gl.load(pos + b).to(gl.int32)
-    live = gl.minimum(p_now + 1, L)
+    ql = gl.load(q_lat + bh * R + r, mask=rm, other=0.0)
+    q_pe = gl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(gl.float32)
+    live = gl.minimum(gl.load(pos + b).to(gl.int32) + 1, L)
     chunk = gl.cdiv(gl.cdiv(live, BLOCK_L), SPLITS) * BLOCK_L
     lo = c * chunk
     hi = gl.minimum(live, lo + chunk)
     row = (layer * rows + b).to(gl.int64) * L
-    p_kv = lo + gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, KV))
-    p_pe = lo + gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, PE))
-    kv_at = cache_kv + (row + p_kv)[:, None] * R + r[None, :]
-    pe_at = cache_pe + (row + p_pe)[:, None] * DR + d[None, :]
-    kv_in = (p_kv < hi)[:, None] & rm[None, :]
-    pe_in = (p_pe < hi)[:, None] & dm[None, :]
-    if EARLY:
-        old = (p_kv != p_now)[:, None]
-        old_pe = (p_pe != p_now)[:, None]
-        kv = gl.load(kv_at, mask=kv_in & old, other=0.0)
-        pe = gl.load(pe_at, mask=pe_in & old_pe, other=0.0)
-        if PDL:
-            _gl_wait()
-        kv = gl.where(old, kv, gl.load(kv_at, mask=kv_in & (p_kv == p_now)[:, None], other=0.0))
-        pe = gl.where(old_pe, pe, gl.load(pe_at, mask=pe_in & (p_pe == p_now)[:, None], other=0.0))
-    else:
-        kv = gl.load(kv_at, mask=kv_in, other=0.0)
-        pe = gl.load(pe_at, mask=pe_in, other=0.0)
-    ql = gl.load(q_lat + bh * R + r, mask=rm, other=0.0)
-    q_pe = gl.load(q + bh * (NOPE + DR) + NOPE + d, mask=dm, other=0.0).to(gl.float32)
+    l_kv = gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, KV))
+    l_pe = gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, PE))
     m_i = gl.max(gl.full([BLOCK_L], float("-inf"), gl.float32, layout=gl.SliceLayout(1, KV)), axis=0)
     l_i = gl.sum(gl.zeros([BLOCK_L], gl.float32, layout=gl.SliceLayout(1, KV)), axis=0)
     acc = gl.zeros([BLOCK_R], gl.float32, layout=gl.SliceLayout(0, KV))
-    # the first tile (all masked in a chunk with nothing live: it changes nothing), then the rest
-    m_i, l_i, acc = _gl_tile(kv.to(gl.float32), pe.to(gl.float32), p_kv, hi, ql, q_pe, scale, m_i, l_i, acc, KV)
-    for i in range(BLOCK_L, hi - lo, BLOCK_L):
-        kv_i = gl.load(kv_at + i * R, mask=((p_kv + i) < hi)[:, None] & rm[None, :], other=0.0)
-        pe_i = gl.load(pe_at + i * DR, mask=((p_pe + i) < hi)[:, None] & dm[None, :], other=0.0)
-        m_i, l_i, acc = _gl_tile(kv_i.to(gl.float32), pe_i.to(gl.float32), p_kv + i, hi, ql, q_pe, scale, m_i, l_i,
-                                 acc, KV)
+    for i in range(0, hi - lo, BLOCK_L):
+        p_kv = lo + i + l_kv
+        p_pe = lo + i + l_pe
+        kv = gl.load(cache_kv + (row + p_kv)[:, None] * R + r[None, :], mask=(p_kv < hi)[:, None] & rm[None, :],
+                     other=0.0).to(gl.float32)
+        pe = gl.load(cache_pe + (row + p_pe)[:, None] * DR + d[None, :], mask=(p_pe < hi)[:, None] & dm[None, :],
+                     other=0.0).to(gl.float32)
+        # the positions sit alike in both layouts: this conversion moves nothing
+        s_pe = gl.convert_layout(gl.sum(pe * q_pe[None, :], axis=1), gl.SliceLayout(1, KV), assert_trivial=True)
+        s = (gl.sum(kv * ql[None, :], axis=1) + s_pe) * scale
+        s = gl.where(p_kv < hi, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp(m_i - m_safe)
+        pr = gl.exp(s - m_safe)
+        l_i = l_i * alpha + gl.sum(pr, axis=0)
+        acc = acc * alpha + gl.sum(pr[:, None] * kv, axis=0)
+        m_i = m_new
     part = bh * SPLITS + c
     gl.store(o_part + part * R + r, acc, mask=rm)
     gl.store(ml_part + part * 2, m_i)
@@ -290,8 +268,7 @@ def _gluon_core(block_r: int, block_dr: int) -> dict | None:
     vec_pe = min(CORE_VEC, block_dr // (spread * warps))
     if not GLUON_CORE or interpreting() or BLOCK_L % CORE_LANES or block_r < CORE_VEC * spread * warps or vec_pe < 1:
         return None
-    return dict(BLOCK_L=BLOCK_L, LANES=CORE_LANES, VEC=CORE_VEC, VEC_PE=vec_pe, WARPS=warps, EARLY=CORE_EARLY,
-                num_warps=warps)
+    return dict(BLOCK_L=BLOCK_L, LANES=CORE_LANES, VEC=CORE_VEC, VEC_PE=vec_pe, WARPS=warps, num_warps=warps)
 
 
 @triton.jit
