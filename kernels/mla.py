@@ -262,8 +262,9 @@ def _latent_attention_gluon(q, q_lat, cache_kv, cache_pe, pos, o_part, ml_part, 
 
 
 def _gluon_core(block_r: int, block_dr: int) -> dict | None:
-    """The Gluon core's layout constants for these tiles, or None where its layout does not fit them (a replicated
-    element would be summed twice), or under the interpreter, which cannot run Gluon: the Triton core runs."""
+    """The Gluon core's layout constants for these tiles, or None where its layout is wider than them (a layout wider
+    than its tile holds elements twice; neither compiled nor measured so), or under the interpreter, which cannot run
+    Gluon: then the Triton core runs."""
     spread, warps = 32 // CORE_LANES, NUM_WARPS
     vec_pe = min(CORE_VEC, block_dr // (spread * warps))
     if not GLUON_CORE or interpreting() or BLOCK_L % CORE_LANES or block_r < CORE_VEC * spread * warps or vec_pe < 1:
