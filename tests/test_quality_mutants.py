@@ -2,7 +2,7 @@
 each applied to a scratch copy of the engine and served on its own OpenAI-compatible endpoint, are gated against
 transformers on the default campaign's trained checkpoint (the default run's, shared), in float32 (all six logic
 mutants) and in bfloat16 (the same weights rounded; two of them). The unmutated engine, the stage's own `engine`
-target, must pass with identical completions; a mutant's flips must be listed, and fail the gate. `pytest -s` prints
+target, must pass and part from transformers' completions at near-ties only; a mutant's flips must be listed, and fail the gate. `pytest -s` prints
 the table.
 """
 
@@ -13,12 +13,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import cluster
 import mutants
 from workflow import checkpoints
 from workflow.evidence import read_json, write_text
+from workflow.verdicts import NEAR_TIE
 
 pytestmark = pytest.mark.slow
 DTYPES = ("float32", "bfloat16")
@@ -88,11 +90,12 @@ def gates(trained, tmp_path_factory) -> dict:
             out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
             out[dtype]["rows"] = {name: {r["id"]: r for r in map(json.loads, (ev / f"quality/gsm8k-{name}-rows.jsonl")
                                                                    .read_text().splitlines())}
-                                  for name in ["hf", *urls]}
+                                  for name in ["hf", "engine", *urls]}
+            out[dtype]["ckpt"], out[dtype]["config"] = ckpt, cfg
     print("\ncandidate | dtype | verdict | correct (hf) | identical completions | flips")
     for dtype, by in out.items():
         for name, g in by.items():
-            if name not in ("hf", "rows"):
+            if name not in ("hf", "rows", "ckpt", "config"):
                 print(f"{name} | {dtype} | {g['verdict']} | {g['counts']} | {len(g['flips'])}: "
                       + ", ".join(f"q{f['id']} {f['reference']}->{f['candidate']}" for f in g["flips"]))
     return out
@@ -104,10 +107,47 @@ def test_the_trained_reference_answers_most_held_out_questions(gates, dtype):
     assert hf["accuracy"] >= 0.5 and hf["n"] == 64, hf
 
 
+def partings(by: dict, name: str) -> dict[int, float]:
+    """{question: the reference's margin where `name`'s completion first parts from transformers'}: transformers'
+    log-prob of its own token there less that of `name`'s token, in the campaign's dtype."""
+    from workflow import gsm8k, hf
+
+    rows, q = by["rows"], by["config"]["quality"]["gsm8k"]
+    apart = [i for i, r in rows[name].items() if r["completion"] != rows["hf"][i]["completion"]]
+    if not apart:
+        return {}
+    items = gsm8k.build_prompts(gsm8k.load_split(q, "test")[0], gsm8k.load_split(q, "train")[0], q["limit"], q["shots"])
+    tok, model = hf.load(by["ckpt"], by["config"]["dtype"], "cpu")
+    out = {}
+    for i in apart:
+        ref, got = (tok(rows[n][i]["completion"], add_special_tokens=False)["input_ids"] for n in ("hf", name))
+        k = next((j for j, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+        if k is None:  # one stops where the other goes on: no token to compare, never a near-tie
+            out[i] = float("inf")
+            continue
+        with torch.inference_mode():
+            lp = model(torch.tensor([tok(items[i]["prompt"])["input_ids"] + ref[:k]])).logits[0, -1].float()
+        out[i] = (lp[ref[k]] - lp[got[k]]).item()  # logits' difference: the log-probs'
+    return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_unmutated_engine_passes_with_identical_completions(gates, dtype):
+def test_the_unmutated_engine_passes_and_parts_from_transformers_at_near_ties_only(gates, dtype):
+    """The engine must pass, and where its completion parts from transformers' (its kernels sum in fp32, in another
+    order than transformers' matmuls) transformers' own margin there must be under the dtype's near-tie margin
+    (workflow/verdicts.py NEAR_TIE, as parity's). bf16 on one machine's trained weights: 2 of 64 part, at the
+    first token, at margins 0.0 and 0.06 (README); the yarn mutant's first parting is decisive (the test below)."""
     g = gates[dtype]["engine"]
-    assert g["verdict"] == "pass" and g["same_completion"] == g["rows"] == 64 and not g["flips"], g
+    assert g["verdict"] == "pass" and g["rows"] == 64 and not g["flips"], g
+    apart = partings(gates[dtype], "engine")
+    assert all(m < NEAR_TIE[dtype] for m in apart.values()), apart
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_near_tie_check_sees_a_mutant_that_changes_answers(gates, dtype):
+    """The check above would fail on a real defect: yarn_hard_ramp parts from transformers at margins past it."""
+    apart = partings(gates[dtype], mutants.endpoint_name(FLIPPING[0]))
+    assert max(apart.values()) >= NEAR_TIE[dtype], apart
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
