@@ -109,14 +109,15 @@ class Held:
 class CapturedStep:
     """A decode step of the first B rows of a cache, captured once per (rows, max_len) cache and B in a CUDA graph
     and replayed (run eagerly without CUDA: ``graphs`` false); the ``MAX_CACHES`` caches used last are kept.
-    Subclasses set ``model``, ``graphs`` and ``caches = {}`` and give ``_step(cache, tokens)``; ``generate`` asks for a
-    cache and steps through it.
+    Subclasses set ``model``, ``graphs`` and ``caches = {}`` and give ``_step(cache, tokens)`` (or ``_step_pick``);
+    ``generate`` asks for a cache and steps through it.
 
     The step reads each row's input token from the cache's ``inputs`` buffer and ends with the greedy pick of each
     row (``picks``), written back there as that row's next input: ``generate.Rows`` steps on that buffer, so between
     two replays nothing but the picks' copies to the host runs outside the graph."""
 
     bucket = 1  # cache lengths rounded up to a multiple of it: fewer shapes to capture (and compile)
+    pick_counts = 1  # the int32 counts of the step's pick launch (kernels/_count.py), zero after each launch
     # Caches kept, with their graphs: a server's batches ask for a new (rows, length) almost every time, and each
     # would otherwise hold its cache and graphs on the device for good; the least recently used goes first.
     MAX_CACHES = 8
@@ -172,7 +173,7 @@ class CapturedStep:
             inputs.copy_(tokens)
         state = held.widths.setdefault(tokens.shape[0], {})  # a graph for each width stepped
         if "counter" not in state:  # the pick kernel's scratch, back at zero after each launch
-            state["counter"] = torch.zeros(1, dtype=torch.int32, device=inputs.device)
+            state["counter"] = torch.zeros(self.pick_counts, dtype=torch.int32, device=inputs.device)
         if not self.graphs:
             state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"])
             return state["logits"]
@@ -195,7 +196,10 @@ class CapturedStep:
     def _step_pick(self, cache, inputs: torch.Tensor, counter: torch.Tensor):
         """The step from ``inputs`` [B], then each row's greedy pick written over its input -> (logits, ids,
         margins)."""
-        logits = self._step(cache, inputs)
+        return self._pick(self._step(cache, inputs), inputs, counter)
+
+    def _pick(self, logits: torch.Tensor, inputs: torch.Tensor, counter: torch.Tensor):
+        """(logits, ids, margins), each row's greedy pick written over its input."""
         ids, margins = decode_kernels.picks(logits, self.model.pick_kernel, counter)
         inputs.copy_(ids)  # each row's pick is its next input
         return logits, ids, margins
@@ -214,9 +218,10 @@ class GraphDecode(CapturedStep):
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head,
                                   max_rows=1, batched=True)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
-        from kernels import mla, moe, norm, route
+        from kernels import head, mla, moe, norm, route
 
-        self.mla, self.moe, self.norm, self.route = mla, moe, norm, route
+        self.head, self.mla, self.moe, self.norm, self.route = head, mla, moe, norm, route
+        self.pick_counts = head.counts_for(model.lm_head.weight.shape[0])
         w = model.embed_tokens.weight
         self.device = w.device
         # a graph holds device work only: the host-staged combine runs eagerly
@@ -247,11 +252,27 @@ class GraphDecode(CapturedStep):
         self.stacks.clear()
 
     # --- the step ----------------------------------------------------------------------------
-    def _step(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
+    def _step_pick(self, cache: LatentCache, inputs: torch.Tensor, counter: torch.Tensor):
+        """The step; at batch 1 with the kernels attached its end (the vocabulary projection, the pick, its write
+        over the input, the position's advance) is one launch (kernels/head.py), else torch's projection and
+        ``CapturedStep``'s pick."""
+        x, pos, lm_head = self._hidden(cache, inputs), cache.lengths[:inputs.shape[0]], self.model.lm_head
+
+        def apart():
+            logits = lm_head(x)
+            pos.add_(1)
+            return self._pick(logits, inputs, counter)
+
+        if self.model.pick_kernel is None or lm_head.bias is not None:
+            return apart()
+        return self.head.head_pick(x, lm_head.weight, counter, inputs, pos, fallback=apart)
+
+    def _hidden(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
+        """The step up to the final norm's output [B, D]; the positions not yet advanced."""
         m, norm = self.model, self.norm
         pos = cache.lengths[:tokens.shape[0]]
-        h = m.embed_tokens(tokens)
-        x = norm.rms_norm(h, m.layers[0].input_layernorm.weight, m.layers[0].input_layernorm.eps)
+        first = m.layers[0].input_layernorm
+        h, x = norm.embed_rms_norm(tokens, m.embed_tokens.weight, first.weight, first.eps)
         for i, layer in enumerate(m.layers):  # each residual add runs fused with the norm after it
             attn = self._attention(layer.self_attn, x, cache, i, pos)
             post = layer.post_attention_layernorm
@@ -261,9 +282,7 @@ class GraphDecode(CapturedStep):
             else:
                 h, x = norm.add_rms_norm(h, attn, post.weight, post.eps)
                 h, x = norm.add_rms_norm(h, layer.mlp(x), after.weight, after.eps)
-        logits = m.lm_head(x)
-        pos += 1
-        return logits
+        return x
 
     def _attention(self, attn, x, cache: LatentCache, layer: int, pos) -> torch.Tensor:
         q, kv_a = project_pair(x, attn.q_in, attn.kv_a_proj_with_mqa, attn.pair_kernel)

@@ -14,12 +14,12 @@ import json
 
 import torch
 
-from . import argmax, gemv, hc as hc_kernel, moe, norm, skinny
+from . import argmax, gemv, hc as hc_kernel, head, moe, norm, skinny
 
 
 # What the audit compiles (the `kernel` of its rows), and what it does not, with why: the evidence says both.
 COVERED = ("gemv_exact", "gemm_per_token", "gemv_fused", "skinny_linear", "add_rms_norm", "experts_gate_up",
-           "experts_down", "pick_batch", "hc_weights")
+           "experts_down", "pick_batch", "head_pick", "hc_weights")
 NOT_COVERED = {
     "mla (cache write, q latent, latent attention, out)": "not launched here: it needs a model's latent cache",
     "route (logits, select)": "not launched here",
@@ -97,6 +97,13 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         ids, margins = torch.empty(8, dtype=torch.int64, device=device), torch.empty(8, device=device)
         compiled = argmax._launch(logits, ids, margins, torch.zeros(1, dtype=torch.int32, device=device))
         rows.append(resources("pick_batch", compiled, V=vocab, dtype=f"{dt}".removeprefix("torch.")))
+    for k in sorted(set(ks)):  # the batch-1 vocabulary projection and pick, at each K a model's hidden size may be
+        x, w = rand(1, k), rand(vocab, k)
+        counts = torch.zeros(head.counts_for(vocab), dtype=torch.int32, device=device)
+        nxt, lengths = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
+        outs = (torch.empty(1, vocab, dtype=dtype, device=device), torch.empty(1, dtype=torch.int64, device=device),
+                torch.empty(1, device=device))
+        rows.append(resources("head_pick", head._launch(x, w, *outs, counts, nxt, lengths), K=k, V=vocab, dtype=name))
     return rows
 
 

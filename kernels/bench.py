@@ -18,6 +18,11 @@ Every variant is checked bitwise against gemv_exact per segment before it is tim
 times kernels/skinny.py instead, at batch 8 on DeepSeek-V2-Lite's projections (q + kv_a joined, o_proj)
 against cuBLAS (F.linear, one launch a projection) in the same run, streamed and marginal as above, with and
 without programmatic dependent launch, each checked against an fp64 reference first.
+
+    python -m kernels.bench --head [--variants]
+
+times kernels/head.py's one launch at batch 1 (DeepSeek-V2-Lite's vocabulary) against the four it replaces, streamed
+as above, its pick first checked against pick_batch's of its own logits.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from . import gemv, hbm, pdl, skinny
+from . import argmax, gemv, hbm, head, pdl, skinny
 from .graphs import capture
 
 K, SIZES = 4096, [2048, 512, 64]
@@ -37,6 +42,9 @@ VARIANTS = [(bn, nw) for bn in (1, 2, 4, 8) for nw in (1, 2, 4)]
 SKINNY_M, SKINNY_SHAPES = 8, {"q + kv_a": [3072, 576], "o_proj": [2048]}
 SKINNY_KNOBS = ("BLOCK_N", "BLOCK_K", "STAGES", "NUM_WARPS")
 SKINNY_VARIANTS = [(16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 6, 4), (64, 256, 3, 4)]  # no spills on sm_90
+# kernels/head.py at batch 1: DeepSeek-V2-Lite's vocabulary projection; variants as (ROWS, NUM_WARPS)
+HEAD_V, HEAD_K = 102400, 2048
+HEAD_VARIANTS = [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (2, 1)]
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -132,13 +140,51 @@ def skinny_main(variants: bool) -> None:
         print(f"{name:48} {streamed:8.2f} {marginal:8.2f} {ratio:8.2f} {err}")
 
 
+def head_main(variants: bool) -> None:
+    """kernels/head.py's one launch against the step's four (cuBLAS's projection, pick_batch, the copy into the
+    inputs, the advance) at DeepSeek-V2-Lite's vocabulary, batch 1; prints a table."""
+    x = torch.randn(1, HEAD_K, device="cuda").bfloat16()
+    w = (torch.randn(HEAD_V, HEAD_K, device="cuda") * 0.02).bfloat16()
+    counts = torch.zeros(head.counts_for(HEAD_V), dtype=torch.int32, device="cuda")
+    nxt, lengths = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def apart(wi):
+        ids, margins = argmax.pick_batch(F.linear(x, wi), None, counter)
+        nxt.copy_(ids)
+        lengths.add_(1)
+
+    one = lambda wi: head.head_pick(x, wi, counts, nxt, lengths, None)  # noqa: E731
+    logits, ids, margins = one(w)
+    want, want_margin = argmax.pick_batch(logits, None, counter)
+    if not (torch.equal(ids, want) and torch.equal(margins, want_margin) and nxt.item() == ids.item()
+            and not counts.any()):
+        raise SystemExit("head_pick's pick is not pick_batch's of its own logits")
+    floor = w.numel() * 2 / hbm.read_bandwidth("cuda") * 1e6
+    rows = [("cuBLAS + pick_batch + copy + add", streamed_us(apart, w, copies=6, calls=12))]
+    chosen = (head.ROWS, head.NUM_WARPS)
+    for r, nw in [chosen] + ([v for v in HEAD_VARIANTS if v != chosen] if variants else []):
+        head.ROWS, head.NUM_WARPS = r, nw
+        rows.append((f"head_pick ROWS={r} warps={nw}{' (chosen)' if (r, nw) == chosen else ''}",
+                     streamed_us(one, w, copies=6, calls=12)))
+    head.ROWS, head.NUM_WARPS = chosen
+    rows.append(("cuBLAS + pick_batch + copy + add, again", streamed_us(apart, w, copies=6, calls=12)))
+    print(f"\nV={HEAD_V} K={HEAD_K} bf16, batch 1; floor = the weight's read, {floor:.1f} us")
+    print(f"{'launches':48} {'streamed':>8} {'x floor':>8}  (us, medians)")
+    for name, us in rows:
+        print(f"{name:48} {us:8.2f} {us / floor:8.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--variants", action="store_true", help="also time block-shape variants")
     ap.add_argument("--skinny", action="store_true", help="time kernels/skinny.py at batch 8 instead")
+    ap.add_argument("--head", action="store_true", help="time kernels/head.py at batch 1 instead")
     args = ap.parse_args(argv)
     if args.skinny:
         return skinny_main(args.variants)
+    if args.head:
+        return head_main(args.variants)
     torch.manual_seed(0)
     x = torch.randn(K, device="cuda", dtype=torch.float16)
     w = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.float16)

@@ -46,6 +46,31 @@ def _store(out, acc, rows, lo, hi, m):
 
 
 @triton.jit
+def first_slice(w, rows, live, stride_w, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W's first BLOCK_K columns of ``rows`` (live: in range): loaded before a PDL wait, weights being no kernel's
+    output."""
+    cols = tl.arange(0, BLOCK_K)
+    return tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=live[:, None] & (cols < K)[None, :], other=0.0)
+
+
+@triton.jit
+def row_dots(x, w, w0, rows, live, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 dots of W's ``rows`` with the input row x: each BLOCK_K slice's products summed, the slices added in
+    ascending K order (the contract's order); w0 is the first slice (``first_slice``)."""
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # fixed ascending order over K slices
+        kk = k0 + cols
+        xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if k0 == 0:
+            wk = w0
+        else:
+            wk = tl.load(w + rows[:, None] * stride_w + kk[None, :], mask=live[:, None] & (kk < K)[None, :], other=0.0)
+        acc += tl.sum(wk.to(tl.float32) * xk[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _rows_kernel(x, w, o0, o1, o2, o3, e0, e1, e2, e3, stride_x, stride_w,
                  K: tl.constexpr, NSEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
@@ -54,23 +79,14 @@ def _rows_kernel(x, w, o0, o1, o2, o3, e0, e1, e2, e3, stride_x, stride_w,
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = e3 if NSEG == 4 else (e2 if NSEG == 3 else (e1 if NSEG == 2 else e0))
     live = rows < n_rows
-    cols = tl.arange(0, BLOCK_K)
-    # The first weight slice is loaded before waiting on the previous kernel: weights are never another
-    # kernel's output, so under programmatic dependent launch this load overlaps that kernel's tail.
-    w0 = tl.load(w + rows[:, None] * stride_w + cols[None, :], mask=live[:, None] & (cols < K)[None, :], other=0.0)
+    # The first weight slice is loaded before waiting on the previous kernel: under programmatic dependent launch
+    # this load overlaps that kernel's tail.
+    w0 = first_slice(w, rows, live, stride_w, K, BLOCK_K)
     # Under programmatic dependent launch (kernels/pdl.py) x and the outputs' memory may belong to the previous
     # kernel: wait for it here. On an H200 this takes a stream of gemv_fused calls from 7.09 to 5.37 µs a call
     # (prefetching 2 or 4 slices, or letting the next kernel start before the wait, was slower: KERNELS.md).
     pdl.wait(PDL)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):  # fixed ascending order over K slices
-        kk = k0 + cols
-        xk = tl.load(x + m * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if k0 == 0:
-            wk = w0
-        else:
-            wk = tl.load(w + rows[:, None] * stride_w + kk[None, :], mask=live[:, None] & (kk < K)[None, :], other=0.0)
-        acc += tl.sum(wk.to(tl.float32) * xk[None, :], axis=1)
+    acc = row_dots(x + m * stride_x, w, w0, rows, live, stride_w, K, BLOCK_N, BLOCK_K)
     _store(o0, acc, rows, 0, e0, m)
     if NSEG > 1:
         _store(o1, acc, rows, e0, e1, m)

@@ -7,6 +7,8 @@ fp32 rounding, not to the bit. Eager torch spends about seven launches on one RM
 in a decode step of 27 layers that is ~600 launches this kernel takes down to ~80.
 
 - ``rms_norm(x, weight, eps)``: y = weight * norm(x)
+- ``embed_rms_norm(tokens, table, weight, eps)``: (h, y) with h = table[tokens] (the embedding's rows, exact), y =
+  weight * norm(h): a decode step's first launch, in place of the embedding's and the first norm's
 - ``add_rms_norm(x, delta, weight, eps)``: (h, y) with h = x + delta, y = weight * norm(h); a delta in another
   dtype (an fp32 MoE sum) is rounded to x's dtype first, as ``x + delta.to(x.dtype)``
 - ``moe_add_rms_norm(x, y, slot_weights, weight, eps)``: the same with delta = sum over slots s ascending of
@@ -28,13 +30,16 @@ WARPS = 16  # a row of 1024 or more, shorter ones one warp: 4 took the b1 step 1
 
 
 @triton.jit
-def _norm_kernel(x, delta, slot_w, w, h_out, y_out, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                 SLOTS: tl.constexpr, PDL: tl.constexpr):
+def _norm_kernel(x, delta, slot_w, w, h_out, y_out, tokens, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                 ADD: tl.constexpr, SLOTS: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     keep = cols < D
-    v = tl.load(x + row * D + cols, mask=keep, other=0.0)
+    src = tl.load(tokens + row) if GATHER else row  # GATHER: x is an embedding table, the row its token's
+    v = tl.load(x + src * D + cols, mask=keep, other=0.0)
+    if GATHER:
+        tl.store(h_out + row * D + cols, v, mask=keep)
     if ADD:  # the residual sum, rounded to the model dtype as torch's add does, then stored
         if SLOTS == 0:
             d = tl.load(delta + row * D + cols, mask=keep, other=0.0).to(tl.float32)
@@ -72,13 +77,14 @@ def norm_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return next((c for c in checks if c), None)
 
 
-def _launch(x, delta, weight, eps, h_out, y_out, slot_w=None):
+def _launch(x, delta, weight, eps, h_out, y_out, slot_w=None, tokens=None):
     """One launch; returns Triton's compiled kernel (None under the interpreter)."""
     D = x.shape[-1]
     slots = 0 if slot_w is None else slot_w.shape[-1]
-    return _norm_kernel[(x.numel() // D,)](x, delta, slot_w, weight, h_out, y_out, eps, D=D,
-                                           BLOCK=triton.next_power_of_2(D), ADD=delta is not None, SLOTS=slots,
-                                           num_warps=WARPS if D >= 1024 else 1, **pdl.flags(x.device))
+    rows = x.numel() // D if tokens is None else tokens.numel()
+    return _norm_kernel[(rows,)](x, delta, slot_w, weight, h_out, y_out, tokens, eps, D=D,
+                                 BLOCK=triton.next_power_of_2(D), ADD=delta is not None, SLOTS=slots,
+                                 GATHER=tokens is not None, num_warps=WARPS if D >= 1024 else 1, **pdl.flags(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,6 +93,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _launch(x, None, weight, eps, x, y)
     return y
+
+
+def embed_rms_norm(tokens: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """tokens [B] int64, table [V, D] -> (h, norm(h)) with h = table[tokens], [B, D] each."""
+    if tokens.dim() != 1:
+        raise ValueError(f"expected tokens [B], got {tuple(tokens.shape)}")
+    if norm_reason(table, weight) or tokens.dtype != torch.int64 or device_reason(tokens, table):
+        h = torch.nn.functional.embedding(tokens, table)
+        return h, rms_norm(h, weight, eps)
+    h, y = (torch.empty(tokens.shape[0], table.shape[1], dtype=table.dtype, device=table.device) for _ in range(2))
+    _launch(table, None, weight, eps, h, y, tokens=tokens)
+    return h, y
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -119,4 +137,4 @@ def moe_add_rms_norm(x: torch.Tensor, y: torch.Tensor, slot_weights: torch.Tenso
     return h, out
 
 
-__all__ = ["rms_norm", "add_rms_norm", "moe_add_rms_norm", "norm_reason"]
+__all__ = ["rms_norm", "embed_rms_norm", "add_rms_norm", "moe_add_rms_norm", "norm_reason"]

@@ -46,6 +46,30 @@ def test_graph_step_logits_close_to_hf(models):
         assert (got - want).abs().max().item() < 1e-4
 
 
+def test_the_steps_end_at_batch_1_is_one_launch(models):
+    """At batch 1 the step's end is one launch (kernels/head.py): the vocabulary projection is the kernel's, never
+    lm_head's module, and the logits and the pick written as the next input are still transformers'; at batch 2 it is
+    lm_head's."""
+    hf, _, fast = models
+    dec, calls = fast.graph_decode, []
+    hook = fast.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.inference_mode():
+            cache = dec.cache(1, len(LONGER) + 1)
+            fast(torch.tensor([LONGER[:-1]], device=cache.kv.device), cache)
+            calls.clear()
+            got = dec.step(cache, torch.tensor([LONGER[-1]], device=cache.kv.device))[0].double().cpu()
+            ref = hf(torch.tensor([LONGER])).logits[0, -1].double()
+            assert not calls and cache.lengths[0].item() == len(LONGER)
+            assert (got - ref).abs().max().item() < 1e-4 and dec.inputs(cache).item() == ref.argmax().item()
+            two = dec.cache(2, len(PROMPT) + 1)
+            fast(torch.tensor([PROMPT, PROMPT]), two)
+            dec.step(two, torch.tensor([7, 7]))
+            assert calls
+    finally:
+        hook.remove()
+
+
 def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(models):
     _, plain, fast = models
     many = generate(fast, [PROMPT] * 3, N_NEW)

@@ -46,7 +46,7 @@ def test_gpu_audit_has_every_kernel_without_spills(dirs):
     kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
     audit = read_json(ev / "kernels/audit.json")
     assert {r["kernel"] for r in audit["kernels"]} == {"gemv_exact", "gemv_fused", "gemm_per_token", "pick_batch",
-                                                      "add_rms_norm", "experts_gate_up", "experts_down",
+                                                      "head_pick", "add_rms_norm", "experts_gate_up", "experts_down",
                                                       "skinny_linear"}
     assert all(r["registers"] > 0 for r in audit["kernels"])
     assert audit["verdict"] == ("spills" if any(r["spills"] for r in audit["kernels"]) else "ok")

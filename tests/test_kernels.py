@@ -123,9 +123,14 @@ def torch_pick(logits):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("V", VOCAB)
-def test_pick_batch_matches_torch_with_ties(dtype, V, gen):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_pick_batch_matches_torch_with_ties(dtype, V, chunked, gen, monkeypatch):
     """ids as torch.argmax (the lowest index on ties, the first NaN), margins as torch.topk's top two (0 for a repeated
-    maximum, NaN beside a NaN), on fresh random logits with ties inside a block, across blocks and in the last one."""
+    maximum, NaN beside a NaN), on fresh random logits with ties inside a block, across blocks and in the last one;
+    ``chunked``: blocks of 256 merged 4 at a time, so ties and NaNs also fall across the merge's chunks."""
+    if chunked:
+        monkeypatch.setattr(am, "BLOCK_V", 256)
+        monkeypatch.setattr(am, "MERGE_CHUNK", 4)
     B = 8
     logits = fresh(B, V, dtype=dtype, gen=gen)
     top = (logits.float().max() + 1).to(dtype).item()
@@ -162,7 +167,7 @@ def test_pick_rejects_fall_back(gen):
     xt = fresh(50, 3, dtype=torch.float32, gen=gen).t()
     assert "contiguous" in am.pick_reason(xt) and am.pick_batch(xt, fallback) == "fallback"
     assert "non-empty" in am.pick_reason(x[0])
-    assert "V outside" in am.pick_reason(x[:, :1]) and "rows" in am.pick_reason(fresh(am.MAX_ROWS + 1, 50, gen=gen))
+    assert "outside 2..2**24" in am.pick_reason(x[:, :1]) and "rows" in am.pick_reason(fresh(am.MAX_ROWS + 1, 50, gen=gen))
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -35,6 +35,25 @@ def test_norms_match_the_engine_rmsnorm(D, dtype):
         assert norm.norm_reason(x, m.weight) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_rms_norm_gathers_each_tokens_row_then_normalises(dtype):
+    """h is the table's rows of the tokens, exactly (a repeated token, the last row, rows out of order); y is what
+    rms_norm makes of h, bitwise (the same kernel's arithmetic)."""
+    D = WIDTHS[1]
+    m = module(D, dtype)
+    table = (torch.randn(50, D, device=DEV) * 4).to(dtype)
+    tokens = torch.tensor([49, 3, 3, 0, 17], device=DEV)
+    with torch.no_grad():
+        h, y = norm.embed_rms_norm(tokens, table, m.weight, m.eps)
+        assert torch.equal(h, table[tokens])
+        assert torch.equal(y, norm.rms_norm(table[tokens], m.weight, m.eps))
+        torch.testing.assert_close(y, m(table[tokens]), rtol=TOL[dtype], atol=TOL[dtype])
+        apart = norm.embed_rms_norm(tokens.int(), table, m.weight, m.eps)  # int32 tokens: the torch path
+        assert torch.equal(apart[0], h) and torch.equal(apart[1], y)
+    with pytest.raises(ValueError, match="tokens"):
+        norm.embed_rms_norm(tokens[None], table, m.weight, m.eps)
+
+
 def test_inadmissible_inputs_take_the_torch_path_and_shapes_are_errors():
     m = module(64, torch.float32)
     x = torch.randn(4, 128, device=DEV)[:, ::2]  # not contiguous

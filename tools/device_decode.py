@@ -344,10 +344,11 @@ def main(argv: list[str] | None = None) -> None:
             with torch.inference_mode():
                 model(torch.tensor([prompt] * pb, device="cuda"), cache)
                 tok = torch.tensor([5] * pb, device="cuda")
-                dec._step(cache, tok)
+                counts = torch.zeros(dec.pick_counts, dtype=torch.int32, device="cuda")
+                dec._step_pick(cache, tok, counts)
                 torch.cuda.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    dec._step(cache, tok)
+                    dec._step_pick(cache, tok, counts)
                     torch.cuda.synchronize()
             events = [e for e in prof.events() if e.device_type.name == "CUDA"]
             print(f"eager step, batch {pb}: {len(events)} kernels, {sum(e.device_time for e in events) / 1e3:.3f} ms of kernel time")
