@@ -32,8 +32,9 @@ MAX_BATCH = 1  # at batch 8 cuBLAS reads the weights once for every row, which o
 
 
 @triton.jit
-def _head_kernel(x, w, logits, part, counts, ids, margins, nxt, lengths, V, stride_w, NB: tl.constexpr, NG: tl.constexpr,
-                 K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+def _head_kernel(x, w, logits, part, counts, ids, margins, nxt, lengths, V, stride_w, NB: tl.constexpr,
+                 NG: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 PDL: tl.constexpr):
     j = tl.program_id(0)
     rows = j * ROWS + tl.arange(0, ROWS)
     live = rows < V
@@ -104,8 +105,8 @@ def _launch(x, w, logits, ids, margins, counts, nxt, lengths):
     nb = triton.cdiv(V, rows)
     ng = triton.cdiv(nb, GROUP)
     part = torch.empty((nb + ng) * 3, dtype=torch.float32, device=x.device)
-    return _head_kernel[(nb,)](x, w, logits, part, counts, ids, margins, nxt, lengths, V, w.stride(0), NB=nb, NG=ng, K=K, ROWS=rows,
-                               BLOCK_K=min(gemv.BLOCK_K, triton.next_power_of_2(K)), GROUP=GROUP,
+    return _head_kernel[(nb,)](x, w, logits, part, counts, ids, margins, nxt, lengths, V, w.stride(0), NB=nb, NG=ng,
+                               K=K, ROWS=rows, BLOCK_K=min(gemv.BLOCK_K, triton.next_power_of_2(K)), GROUP=GROUP,
                                num_warps=NUM_WARPS, **pdl.flags(x.device))
 
 
