@@ -5,7 +5,7 @@ are read from the compiled kernel Triton returns. Spilled registers go to local 
 memory-bound kernel cannot afford: the audit fails on any spill. The interpreter compiles nothing, so
 on a CPU there is nothing to audit.
 
-    python -m kernels.audit --k 2048,1408 --vocab 102400
+    python -m kernels.audit --k 2048,1408 --vocab 102400 --hidden 2048
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ def resources(name: str, compiled, **shape) -> dict:
             "shared_bytes": int(meta.shared), "num_warps": int(meta.num_warps)}
 
 
-def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+def audit(ks: list[int], vocab: int, hidden: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
           experts: tuple[int, int, int, int] | None = None, limit: float = 0.0,
           hc: tuple[int, int] | None = None) -> list[dict]:
-    """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation.
+    """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation. The
+    batch-1 vocabulary projection and pick (``head_pick``) only at ``hidden``, the one K the step gives it (its
+    weight is [vocab, K]: 2.2 GB at DeepSeek-V2-Lite's intermediate size).
     ``experts`` (hidden, moe_intermediate, n_routed_experts, experts_per_token) adds the graph decode step's
     routed-experts kernels at batch 1 and 8, with the swiglu clamp ``limit`` when > 0 (DeepSeek-V4); ``hc``
     (hc_mult, hc_sinkhorn_iters) adds DeepSeek-V4's hyper-connection weights kernel; the norm kernel is compiled at
@@ -97,13 +99,13 @@ def audit(ks: list[int], vocab: int, dtype: torch.dtype = torch.bfloat16, device
         ids, margins = torch.empty(8, dtype=torch.int64, device=device), torch.empty(8, device=device)
         compiled = argmax._launch(logits, ids, margins, torch.zeros(1, dtype=torch.int32, device=device))
         rows.append(resources("pick_batch", compiled, V=vocab, dtype=f"{dt}".removeprefix("torch.")))
-    for k in sorted(set(ks)):  # the batch-1 vocabulary projection and pick, at each K a model's hidden size may be
-        x, w = rand(1, k), rand(vocab, k)
-        counts = torch.zeros(head.counts_for(vocab), dtype=torch.int32, device=device)
-        nxt, lengths = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
-        outs = (torch.empty(1, vocab, dtype=dtype, device=device), torch.empty(1, dtype=torch.int64, device=device),
-                torch.empty(1, device=device))
-        rows.append(resources("head_pick", head._launch(x, w, *outs, counts, nxt, lengths), K=k, V=vocab, dtype=name))
+    x, w = rand(1, hidden), rand(vocab, hidden)
+    counts = torch.zeros(head.counts_for(vocab), dtype=torch.int32, device=device)
+    nxt, lengths = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))
+    outs = (torch.empty(1, vocab, dtype=dtype, device=device), torch.empty(1, dtype=torch.int64, device=device),
+            torch.empty(1, device=device))
+    rows.append(resources("head_pick", head._launch(x, w, *outs, counts, nxt, lengths), K=hidden, V=vocab,
+                          dtype=name))
     return rows
 
 
@@ -111,8 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--k", default="2048,1408,10944,512", help="comma-separated K values")
     ap.add_argument("--vocab", type=int, default=102400)
+    ap.add_argument("--hidden", type=int, default=2048, help="the hidden size: the vocabulary projection's K")
     args = ap.parse_args(argv)
-    rows = audit([int(k) for k in args.k.split(",")], args.vocab)
+    rows = audit([int(k) for k in args.k.split(",")], args.vocab, args.hidden)
     print(json.dumps(rows, indent=1))
     if any(r["spills"] for r in rows):
         raise SystemExit("audit failed: some kernel spills registers")

@@ -53,6 +53,30 @@ def test_gpu_audit_has_every_kernel_without_spills(dirs):
     assert read_json(ev / "stages/kernel_audit.json")["status"] == "ok"
 
 
+def test_the_vocabulary_projection_is_audited_at_the_hidden_size_alone(monkeypatch):
+    """head_pick's weight is [vocab, K]: compiled at every K it would take 2.2 GB at K = 10944, a shape the step never
+    launches. The launches are stood in for (the interpreter compiles nothing), so this runs on a CPU."""
+    from types import SimpleNamespace
+
+    from kernels import argmax, audit, gemv, head, norm, skinny
+
+    weights = {}
+
+    def fake(module):
+        def launch(*args, **kwargs):
+            if module is head:
+                weights["head"] = tuple(args[1].shape)
+            return SimpleNamespace(n_regs=32, n_spills=0, metadata=SimpleNamespace(shared=0, num_warps=1))
+        return launch
+
+    for module in (argmax, gemv, head, norm, skinny):
+        monkeypatch.setattr(module, "_launch", fake(module))
+    rows = audit.audit([64, 96, 160], vocab=256, hidden=96, device="cpu")
+    assert [r["K"] for r in rows if r["kernel"] == "head_pick"] == [96]
+    assert weights["head"] == (256, 96)
+    assert sorted(r["K"] for r in rows if r["kernel"] == "gemv_exact") == [64, 96, 160]  # the projections: every K
+
+
 @pytest.mark.parametrize("verdict,fails", [("spills", True), ("ok", False), ("not_compiled", False)])
 def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
     from workflow.evidence import write_json, write_manifest

@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     config = read_config(args.evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     ks, vocab = model_shapes(args.checkpoint)
-    with Stage(args.evidence, "kernel_audit", params={"device": device, "k": ks, "vocab": vocab}) as st:
+    c = json.loads((args.checkpoint / "config.json").read_text())
+    hidden = c["hidden_size"]
+    with Stage(args.evidence, "kernel_audit", params={"device": device, "k": ks, "vocab": vocab, "hidden": hidden}) \
+            as st:
         from kernels.audit import COVERED, audit
 
         missing = not_covered(args.checkpoint)
@@ -112,14 +115,13 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         dtype = {"float16": torch.float16}.get(config["dtype"], torch.bfloat16)
-        c = json.loads((args.checkpoint / "config.json").read_text())
         options = {}
         if c.get("model_type") == V4:
             experts, options = v4_shapes(args.checkpoint)[2], v4_options(args.checkpoint)
         else:
-            experts = (c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"], c["num_experts_per_tok"]) \
+            experts = (hidden, c["moe_intermediate_size"], c["n_routed_experts"], c["num_experts_per_tok"]) \
                 if c.get("n_routed_experts") else None
-        rows = audit(ks, vocab, dtype=dtype, experts=experts, **options)
+        rows = audit(ks, vocab, hidden, dtype=dtype, experts=experts, **options)
         spilling = [r for r in rows if r["spills"]]
         verdict = "spills" if spilling else "ok"
         st.write_json(AUDIT, {"verdict": verdict, "kernels": rows, "covers": list(dict.fromkeys(r["kernel"] for r in rows)),
