@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.config import V4
+from engine.config import V4, load_args
 from workflow import environment
 from workflow.gates import BY_NAME
 from workflow.evidence import Stage, read_config, stage_args
@@ -58,8 +58,6 @@ def v4_shapes(ckpt_dir: Path) -> tuple[list[int], int, tuple[int, int, int, int]
     """DeepSeek-V4's Ks (module docstring), vocabulary and routed experts (hidden, moe_intermediate,
     n_routed_experts, experts per token), from the engine's reading of config.json (transformers' defaults for
     absent fields)."""
-    from engine.config import load_args
-
     a = load_args(ckpt_dir)
     h = a.hidden_size
     ks = [h, a.q_lora_rank, a.num_attention_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank,
@@ -83,7 +81,6 @@ def v4_options(ckpt_dir: Path) -> dict:
     hyper-connection weights kernel's shape (`hc`: hc_mult, hc_sinkhorn_iters)."""
     import inspect
 
-    from engine.config import load_args
     from kernels.audit import audit
 
     a, takes = load_args(ckpt_dir), inspect.signature(audit).parameters
@@ -96,8 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     config = read_config(args.evidence / "config.yaml")
     device = environment.resolve_device(config["device"])
     ks, vocab = model_shapes(args.checkpoint)
-    c = json.loads((args.checkpoint / "config.json").read_text())
-    hidden = c["hidden_size"]
+    hidden = load_args(args.checkpoint).hidden_size  # the engine's reading: transformers' default where absent
     with Stage(args.evidence, "kernel_audit", params={"device": device, "k": ks, "vocab": vocab, "hidden": hidden}) \
             as st:
         from kernels.audit import COVERED, audit
@@ -115,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         dtype = {"float16": torch.float16}.get(config["dtype"], torch.bfloat16)
+        c = json.loads((args.checkpoint / "config.json").read_text())
         options = {}
         if c.get("model_type") == V4:
             experts, options = v4_shapes(args.checkpoint)[2], v4_options(args.checkpoint)
