@@ -220,7 +220,7 @@ class Rows:
         # first token is written by advance
         if graph is not None:
             live = self._live()
-            graph.step(self.cache, self.inputs[:self.width])
+            graph.step(self.cache, self.inputs[:self.width], logits=False)
             ids, margins = graph.picks(self.cache, self.width)
             if len(live) < self.width:
                 ids, margins = (t.index_select(0, self._index(live)) for t in (ids, margins))

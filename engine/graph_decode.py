@@ -103,7 +103,9 @@ class Held:
     """A cache the path keeps, with each of its rows' next input token and the state of each width stepped."""
     cache: object
     inputs: torch.Tensor  # [rows] int64 on the cache's device: the token each row's next step reads
-    widths: dict = field(default_factory=dict)  # B -> {"graph", "logits", "ids", "margins", "counter"}
+    # (B, logits wanted) -> {"graph", "logits", "ids", "margins", "counter"}: a graph for each width and kind stepped
+    widths: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)  # B -> the state of that width stepped last, whose picks ``picks`` gives
 
 
 class CapturedStep:
@@ -160,22 +162,24 @@ class CapturedStep:
     def picks(self, cache, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [width] int64, margins [width] fp32): the greedy picks of the last ``step`` of ``width`` rows through
         this cache, the step's own tensors (rewritten by every step of that width)."""
-        state = self._held(cache, "picks").widths[width]
+        state = self._held(cache, "picks").last[width]
         return state["ids"], state["margins"]
 
-    def step(self, cache, tokens: torch.Tensor) -> torch.Tensor:
+    def step(self, cache, tokens: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         """tokens [B] (one per cache row of the first B) -> logits [B, vocab], the step's own tensor (rewritten by the
         next step of that width); each row advances one position, and its greedy pick becomes its next input
-        (``inputs``, ``picks``)."""
+        (``inputs``, ``picks``). ``logits`` False: a step that may leave them unmade (None) where its pick needs
+        less (``GraphDecode``'s screened vocabulary projection), captured apart."""
         held = self._held(cache, "step")
         inputs = held.inputs[:tokens.shape[0]]
         if tokens.data_ptr() != inputs.data_ptr():  # given apart (``forced``): into the buffer the graph reads
             inputs.copy_(tokens)
-        state = held.widths.setdefault(tokens.shape[0], {})  # a graph for each width stepped
+        state = held.widths.setdefault((tokens.shape[0], logits), {})
+        held.last[tokens.shape[0]] = state
         if "counter" not in state:  # the pick kernel's scratch, back at zero after each launch
             state["counter"] = torch.zeros(self.pick_counts, dtype=torch.int32, device=inputs.device)
         if not self.graphs:
-            state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"])
+            state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"], logits)
             return state["logits"]
         if "graph" not in state:
             from kernels.graphs import capture
@@ -189,13 +193,13 @@ class CapturedStep:
                 inputs.copy_(given)
 
             state["graph"], (state["logits"], state["ids"], state["margins"]) = capture(
-                lambda: self._step_pick(cache, inputs, state["counter"]), undo=undo)
+                lambda: self._step_pick(cache, inputs, state["counter"], logits), undo=undo)
         state["graph"].replay()
         return state["logits"]
 
-    def _step_pick(self, cache, inputs: torch.Tensor, counter: torch.Tensor):
+    def _step_pick(self, cache, inputs: torch.Tensor, counter: torch.Tensor, logits: bool = True):
         """The step from ``inputs`` [B], then each row's greedy pick written over its input -> (logits, ids,
-        margins)."""
+        margins); the logits are made whether wanted or not."""
         return self._pick(self._step(cache, inputs), inputs, counter)
 
     def _pick(self, logits: torch.Tensor, inputs: torch.Tensor, counter: torch.Tensor):
@@ -222,6 +226,10 @@ class GraphDecode(CapturedStep):
 
         self.head, self.mla, self.moe, self.norm, self.route = head, mla, moe, norm, route
         self.pick_counts = head.counts_for(model.lm_head.weight.shape[0])
+        # the vocabulary projection's int8 screen, for a batch-1 step whose logits are not wanted (kernels/head.py;
+        # engine/DECODE.md v34): of the weights as they are now, as the experts' stacks are
+        head_kernel = model.pick_kernel is not None and model.lm_head.bias is None
+        self.screen = head.screen_of(model.lm_head.weight) if head_kernel else None
         w = model.embed_tokens.weight
         self.device = w.device
         # a graph holds device work only: the host-staged combine runs eagerly
@@ -252,10 +260,11 @@ class GraphDecode(CapturedStep):
         self.stacks.clear()
 
     # --- the step ----------------------------------------------------------------------------
-    def _step_pick(self, cache: LatentCache, inputs: torch.Tensor, counter: torch.Tensor):
+    def _step_pick(self, cache: LatentCache, inputs: torch.Tensor, counter: torch.Tensor, logits: bool = True):
         """The step; at batch 1 with the kernels attached its end (the vocabulary projection, the pick, its write
-        over the input, the position's advance) is one launch (kernels/head.py), else torch's projection and
-        ``CapturedStep``'s pick."""
+        over the input, the position's advance) is one launch (kernels/head.py), or where the logits are not wanted
+        two through the projection's screen (no logits made: None), else torch's projection and ``CapturedStep``'s
+        pick."""
         x, pos, lm_head = self._hidden(cache, inputs), cache.lengths[:inputs.shape[0]], self.model.lm_head
 
         def apart():
@@ -265,6 +274,8 @@ class GraphDecode(CapturedStep):
 
         if self.model.pick_kernel is None or lm_head.bias is not None:
             return apart()
+        if not logits and self.head.SCREEN and not self.head.screen_reason(x, lm_head.weight, self.screen, inputs, pos):
+            return None, *self.head.head_pick_screened(x, lm_head.weight, self.screen, inputs, pos, fallback=None)
         return self.head.head_pick(x, lm_head.weight, counter, inputs, pos, fallback=apart)
 
     def _hidden(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:

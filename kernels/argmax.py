@@ -41,6 +41,17 @@ def block_best(x, idx, live, V):
 
 
 @triton.jit
+def merge_pair(top, second, first, b, s, f):
+    """Two triples (``block_best``'s) of disjoint index sets, in either order -> theirs: the larger best, equal
+    bests taken at the lower index (the other then the runner-up), a NaN best at the lower NaN's index."""
+    n1 = top != top
+    n2 = b != b
+    take = tl.where(n1 | n2, n2 & (~n1 | (f < first)), (b > top) | ((b == top) & (f < first)))
+    return (tl.where(take, b, top), tl.where(take, tl.maximum(s, top), tl.maximum(second, b)),
+            tl.where(take, f, first))
+
+
+@triton.jit
 def store_best(out, best, second, first):
     tl.store(out, best)
     tl.store(out + 1, second)

@@ -21,8 +21,9 @@ without programmatic dependent launch, each checked against an fp64 reference fi
 
     python -m kernels.bench --head [--variants]
 
-times kernels/head.py's one launch at batch 1 (DeepSeek-V2-Lite's vocabulary) against the four it replaces, streamed
-as above, its pick first checked against pick_batch's of its own logits.
+times kernels/head.py's one launch at batch 1 (DeepSeek-V2-Lite's vocabulary) against the four it replaces, and its
+screened two (``head_pick_screened``), streamed as above, its pick first checked against pick_batch's of its own
+logits and the screened pick against it.
 """
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ SKINNY_VARIANTS = [(16, 256, 4, 4), (64, 128, 4, 4), (32, 128, 6, 4), (64, 256, 
 # kernels/head.py at batch 1: DeepSeek-V2-Lite's vocabulary projection; variants as (ROWS, NUM_WARPS)
 HEAD_V, HEAD_K = 102400, 2048
 HEAD_VARIANTS = [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (2, 1)]
+SCREEN_VARIANTS = [(8, 4), (16, 4), (16, 8), (32, 8), (4, 1)]  # head.py's screen: (ROWS, warps)
+
+
+def screened_rows(x: torch.Tensor, screen) -> int:
+    """The rows kernels/head.py's screen leaves to check in full for x, from its bounds in torch (a close account:
+    fp64 here, the kernel's sums in fp32)."""
+    a = ((screen.q.double() - 128) @ x[0].double()) * screen.scale.double()
+    e = x[0].double().norm() * screen.bound.double()
+    t = torch.topk(a - e, 2).values[1]
+    return int(((a + e) >= t).sum())
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -72,10 +83,12 @@ def cold_us(fn, trials: int = 300, scrub: str = "read") -> float:
     return float(torch.tensor(times).median())
 
 
-def streamed_us(fn_of_w, w: torch.Tensor, copies: int = 8, calls: int = 16) -> float:
+def streamed_us(fn_of_w, w: torch.Tensor, copies: int = 8, calls: int = 16, prepare=None) -> float:
     """Median µs per call of a graph of calls back to back, each on its own copy of the weights (together
-    over 2x the L2): every call streams its weights from HBM, as a decode step does layer after layer."""
+    over 2x the L2): every call streams its weights from HBM, as a decode step does layer after layer.
+    ``prepare``: what fn_of_w gets of each copy instead of the copy (made once, before the capture)."""
     ws = [w.clone() for _ in range(copies)]
+    ws = [prepare(c) for c in ws] if prepare else ws
     n = iter(range(10**9))
     return graph_us(lambda: fn_of_w(ws[next(n) % copies]), calls=calls)
 
@@ -168,8 +181,22 @@ def head_main(variants: bool) -> None:
         rows.append((f"head_pick ROWS={r} warps={nw}{' (chosen)' if (r, nw) == chosen else ''}",
                      streamed_us(one, w, copies=6, calls=12)))
     head.ROWS, head.NUM_WARPS = chosen
+    screen = head.screen_of(w)
+    both = lambda pair: head.head_pick_screened(x, *pair, nxt, lengths, None)  # noqa: E731
+    got_ids, got_margins = both((w, screen))
+    if not (torch.equal(got_ids, ids) and torch.equal(got_margins, margins)):
+        raise SystemExit("head_pick_screened's pick is not head_pick's")
+    listed = screened_rows(x, screen)
+    chosen = (head.SCREEN_ROWS, head.SCREEN_WARPS)
+    for r, nw in [chosen] + ([v for v in SCREEN_VARIANTS if v != chosen] if variants else []):
+        head.SCREEN_ROWS, head.SCREEN_WARPS = r, nw
+        rows.append((f"head_pick_screened ROWS={r} warps={nw}{' (chosen)' if (r, nw) == chosen else ''}",
+                     streamed_us(both, w, copies=6, calls=12, prepare=lambda c: (c, head.screen_of(c)))))
+    head.SCREEN_ROWS, head.SCREEN_WARPS = chosen
+    rows.append(("head_pick, again", streamed_us(one, w, copies=6, calls=12)))
     rows.append(("cuBLAS + pick_batch + copy + add, again", streamed_us(apart, w, copies=6, calls=12)))
-    print(f"\nV={HEAD_V} K={HEAD_K} bf16, batch 1; floor = the weight's read, {floor:.1f} us")
+    print(f"\nV={HEAD_V} K={HEAD_K} bf16, batch 1; floor = the weight's read, {floor:.1f} us; the screen's int8 "
+          f"read {floor / 2:.1f} us; rows the screen left to check in full: {listed}")
     print(f"{'launches':48} {'streamed':>8} {'x floor':>8}  (us, medians)")
     for name, us in rows:
         print(f"{name:48} {us:8.2f} {us / floor:8.2f}")

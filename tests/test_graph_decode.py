@@ -70,6 +70,21 @@ def test_the_steps_end_at_batch_1_is_one_launch(models):
         hook.remove()
 
 
+def test_the_steps_end_without_logits_picks_through_the_screen_as_the_logits_step(models):
+    """At batch 1 a step whose logits no one wants (generate without an observer) picks through the vocabulary
+    projection's int8 screen (kernels/head.py), the one end of a step that makes no logits; its tokens and margins are
+    those of the step that makes them (an observer asks for them), bit for bit."""
+    _, _, fast = models
+    dec = fast.graph_decode
+    assert dec.screen is not None
+    for prompt in (PROMPT, LONGER):
+        quiet = generate(fast, [prompt], N_NEW)
+        seen = generate(fast, [prompt], N_NEW, observe=lambda *_: None)
+        assert quiet.tokens == seen.tokens and quiet.margins == seen.margins
+        held = dec.caches[(1, len(prompt) + N_NEW)]
+        assert held.widths[(1, False)]["logits"] is None and held.widths[(1, True)]["logits"] is not None
+
+
 def test_graph_path_rows_of_a_batch_agree_and_finished_rows_do_not_disturb(models):
     _, plain, fast = models
     many = generate(fast, [PROMPT] * 3, N_NEW)
@@ -120,7 +135,8 @@ def test_forced_logits_are_the_observers_to_keep(models):
     assert len(got) == len(LONGER)  # the prefill's, then one a step
     assert all((g - w).abs().max().item() < 1e-4 for g, w in zip(got, want))
     buffers = {state["logits"].untyped_storage().data_ptr()
-               for held in fast.graph_decode.caches.values() for state in held.widths.values()}
+               for held in fast.graph_decode.caches.values() for state in held.widths.values()
+               if state["logits"] is not None}
     assert buffers and not buffers & {g.untyped_storage().data_ptr() for g in got}
 
 
@@ -267,7 +283,7 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
     _, _, fast = models
     calls = []
     real = fast.graph_decode.step
-    monkeypatch.setattr(fast.graph_decode, "step", lambda c, t: (calls.append(tuple(t.shape)), real(c, t))[1])
+    monkeypatch.setattr(fast.graph_decode, "step", lambda c, t, **kw: (calls.append(tuple(t.shape)), real(c, t, **kw))[1])
     assert len(profilers.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
     assert calls == [(2,)] * 3
 

@@ -65,3 +65,86 @@ def test_head_pick_rejects_fall_back(gen):
     assert "counts" in head.head_reason(x[:1], w, counts[:1], nxt, lengths)
     assert "int64" in head.head_reason(x[:1], w, counts, nxt.int(), lengths)
     assert "V=1" in head.head_reason(x[:1], w[:1], counts, nxt, lengths)
+
+
+def screened(x, w, screen, start=5):
+    nxt = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    lengths = torch.full((3,), start, dtype=torch.int64, device=DEV)
+    assert head.screen_reason(x, w, screen, nxt, lengths) is None
+    ids, margins = head.head_pick_screened(x, w, screen, nxt, lengths, fallback=None)
+    return ids, margins, nxt, lengths
+
+
+def near_ties(x, w, rows, gen, apart=1.0):
+    """rows of w made one random row lifted well above the rest plus ``apart`` quantization steps of noise each:
+    their logits apart by less than the screen's bound, their int8 logits in another order."""
+    base = torch.randn(w.shape[1], generator=gen, device=DEV)
+    base += 6 * x[0].float() / x[0].float().norm()
+    step = base.abs().max() / 127
+    w[rows] = (base + apart * step * torch.randn(len(rows), w.shape[1], generator=gen, device=DEV)).to(w.dtype)
+
+
+def assert_same_pick(got, want):
+    ids, margins = got[:2]
+    assert torch.equal(ids, want[1]), (ids, want[1])
+    assert torch.equal(margins.isnan(), want[2].isnan())
+    assert torch.equal(margins.nan_to_num(), want[2].nan_to_num()), (margins, want[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("V", VOCAB[1:])
+@pytest.mark.parametrize("case", ["plain", "tie", "near", "nan_input"])
+def test_the_screened_pick_is_head_picks_bit_for_bit(dtype, V, case, gen):
+    """ids and margins equal head_pick's on the same inputs (its logits' pick), the pick written and the length
+    advanced once, the screen's scratch back at its start (in the plain case a second step on a smaller x, which a T
+    kept from the first would wrongly leave unlisted, picks as head_pick again)."""
+    x, w = fresh(1, K, dtype=dtype, gen=gen), fresh(V, K, dtype=dtype, gen=gen)
+    rows = sorted({V - 1, V // 2, 2} if V > 3 else {V - 1, 1})
+    if case == "tie":
+        w[rows] = (8 * x[0] / x[0].float().norm()).to(dtype)
+    if case == "near":
+        near_ties(x, w, list(range(0, V, max(1, V // 40))), gen)
+    if case == "nan_input":
+        x[0, 3] = float("nan")  # every logit NaN: every row listed, the first is the pick
+    screen = head.screen_of(w)
+    for step in (x, x / 1000) if case == "plain" else (x,):
+        want, *_ = launch(step, w)
+        got = screened(step, w, screen)
+        assert_same_pick(got, want)
+        assert got[2].tolist() == [want[1].item(), -1, -1] and got[3].tolist() == [6, 5, 5]
+        assert torch.equal(screen.state, torch.full_like(screen.state, float("-inf"))) and not screen.count.any()
+    if case == "tie":
+        assert got[0].item() == rows[0] and got[1].item() == 0
+
+
+def test_the_screens_bound_is_what_finds_a_row_its_int8_logits_rank_low(gen):
+    """The screen finds a row whose int8 logit ranks below two others' while its own is the largest: with every bound
+    zeroed (the screen trusting its int8 logits) it does not. In fp32, the rows built to quantize exactly: row 0 is
+    s Q (Q along x) plus a shift under half a step along x's signs (its int8 row Q again, its logit well above), rows 1 and 2 s Q
+    with one element a step up where x is positive (their int8 logits above row 0's, their logits below)."""
+    x, w = fresh(1, K, dtype=torch.float32, gen=gen), 1e-3 * fresh(VOCAB[0], K, dtype=torch.float32, gen=gen)
+    s = 2.0 ** -7
+    Q = torch.round(100 * x[0] / x[0].abs().max())  # along x: these rows' logits far above the rest's
+    Q[0] = 127 if x[0, 0] >= 0 else -127  # the row's largest: the scale is s for all three
+    up = 1 + int(torch.argmax(x[0, 1:]))
+    shift = 0.45 * s * torch.sign(x[0])
+    shift[0] = 0
+    w[0] = s * Q + shift
+    w[1] = w[2] = s * Q
+    w[1:3, up] += s
+    screen = head.screen_of(w)
+    want, *_ = launch(x, w)
+    assert want[1].item() == 0
+    assert_same_pick(screened(x, w, screen), want)
+    screen.bound.zero_()
+    assert screened(x, w, screen)[0].item() != 0
+
+
+def test_a_weight_with_a_non_finite_value_has_no_screen(gen):
+    x, w = fresh(1, 64, gen=gen), fresh(50, 64, gen=gen)
+    w[7, 3] = float("inf")
+    assert head.screen_of(w) is None
+    nxt, lengths = (torch.zeros(1, dtype=torch.int64, device=DEV) for _ in range(2))
+    assert "screen" in head.screen_reason(x, w, None, nxt, lengths)
+    assert head.head_pick_screened(x, w, None, nxt, lengths, lambda: "fallback") == "fallback"
+    assert "weight" in head.screen_reason(x, w[:40], head.screen_of(fresh(50, 64, gen=gen)), nxt, lengths)

@@ -85,8 +85,8 @@ def replay_ms(dec, batch: int, start: int, n: int) -> float:
     """Median ms of the last captured graph of ``batch`` rows replayed back to back, no host work between: the
     step's own time on the device (its greedy pick included: it runs in the graph), against which TPOT shows the
     host's share."""
-    held = next(h for h in dec.caches.values() if batch in h.widths)
-    cache, graph = held.cache, held.widths[batch]["graph"]
+    held = next(h for h in dec.caches.values() if batch in h.last)
+    cache, graph = held.cache, held.last[batch]["graph"]
     with torch.inference_mode():  # the cache was made in it
         cache.lengths.fill_(start)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
