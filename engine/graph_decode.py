@@ -274,9 +274,14 @@ class GraphDecode(CapturedStep):
 
         if self.model.pick_kernel is None or lm_head.bias is not None:
             return apart()
-        if not logits and self.head.SCREEN and not self.head.screen_reason(x, lm_head.weight, self.screen, inputs, pos):
+        if not logits and self.screens(x.shape[0]) and not self.head.screen_reason(x, lm_head.weight, self.screen, inputs, pos):
             return None, *self.head.head_pick_screened(x, lm_head.weight, self.screen, inputs, pos, fallback=None)
         return self.head.head_pick(x, lm_head.weight, counter, inputs, pos, fallback=apart)
+
+    def screens(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows whose logits are not wanted picks through the vocabulary projection's
+        screen (the bench's floor counts the screen's bytes in place of the projection's then)."""
+        return rows == 1 and self.head.SCREEN and self.screen is not None and self.model.pick_kernel is not None
 
     def _hidden(self, cache: LatentCache, tokens: torch.Tensor) -> torch.Tensor:
         """The step up to the final norm's output [B, D]; the positions not yet advanced."""

@@ -19,7 +19,7 @@ from . import argmax, gemv, hc as hc_kernel, head, moe, norm, skinny
 
 # What the audit compiles (the `kernel` of its rows), and what it does not, with why: the evidence says both.
 COVERED = ("gemv_exact", "gemm_per_token", "gemv_fused", "skinny_linear", "add_rms_norm", "experts_gate_up",
-           "experts_down", "pick_batch", "head_pick", "hc_weights")
+           "experts_down", "pick_batch", "head_pick", "head_screen", "head_check", "hc_weights")
 NOT_COVERED = {
     "mla (cache write, q latent, latent attention, out)": "not launched here: it needs a model's latent cache",
     "route (logits, select)": "not launched here",
@@ -38,8 +38,9 @@ def audit(ks: list[int], vocab: int, hidden: int, dtype: torch.dtype = torch.bfl
           experts: tuple[int, int, int, int] | None = None, limit: float = 0.0,
           hc: tuple[int, int] | None = None) -> list[dict]:
     """Compile and launch each kernel at the given K values and vocabulary; one row per specialisation. The
-    batch-1 vocabulary projection and pick (``head_pick``) only at ``hidden``, the one K the step gives it (its
-    weight is [vocab, K]: 2.2 GB at DeepSeek-V2-Lite's intermediate size).
+    batch-1 vocabulary projection and pick (``head_pick``, and its screened two, ``head_screen`` and ``head_check``)
+    only at ``hidden``, the one K the step gives it (its weight is [vocab, K]: 2.2 GB at DeepSeek-V2-Lite's
+    intermediate size).
     ``experts`` (hidden, moe_intermediate, n_routed_experts, experts_per_token) adds the graph decode step's
     routed-experts kernels at batch 1 and 8, with the swiglu clamp ``limit`` when > 0 (DeepSeek-V4); ``hc``
     (hc_mult, hc_sinkhorn_iters) adds DeepSeek-V4's hyper-connection weights kernel; the norm kernel is compiled at
@@ -106,6 +107,10 @@ def audit(ks: list[int], vocab: int, hidden: int, dtype: torch.dtype = torch.bfl
             torch.empty(1, device=device))
     rows.append(resources("head_pick", head._launch(x, w, *outs, counts, nxt, lengths), K=hidden, V=vocab,
                           dtype=name))
+    screen = head.screen_of(w)
+    for kernel, compiled in zip(("head_screen", "head_check"), head._launch_screened(x, w, screen, *outs[1:], nxt,
+                                                                                     lengths)):
+        rows.append(resources(kernel, compiled, K=hidden, V=vocab, dtype=name))
     return rows
 
 

@@ -159,8 +159,9 @@ def summation_bound(K: int) -> float:
 
 
 def screen_of(w: torch.Tensor) -> Screen | None:
-    """W [V, K]'s int8 screen on W's device, or None where W holds a non-finite value (no scale bounds it)."""
-    if not bool(torch.isfinite(w).all()):
+    """W [V, K]'s int8 screen on W's device, or None where W holds a non-finite value (no scale bounds it) or K is not
+    a multiple of 4 (the screen reads its bytes four at a time)."""
+    if w.shape[1] % 4 or not bool(torch.isfinite(w).all()):
         return None
     V, K = w.shape
     dev = w.device

@@ -9,6 +9,8 @@ import contextlib
 import pytest
 import torch
 
+from engine.config import load_args
+
 import handbuilt as hb
 import mutants
 import tinyev
@@ -109,6 +111,26 @@ def test_the_busiest_rank_reads_its_own_shard_of_the_chosen_experts():
     assert lay.step([3, 4], experts, ranks=2)["chosen_experts"] == 300  # rank 0: 3 experts, rank 1: 3
     assert lay.step([3, 4], [{0, 1, 2, 3}, {0}], ranks=2)["chosen_experts"] == 500
     assert lay.step([3, 4])["chosen_experts"] == 400 and lay.step([3, 4])["cache"] == 7
+
+
+def test_a_screened_step_counts_the_screen_in_place_of_the_vocabulary_projection(benched):
+    """The graph path at batch 1 reads the vocabulary projection's int8 screen (a byte an element, 8 bytes a row), not
+    its weight: the floor of such a step counts that, and says so."""
+    ckpt, ev = benched
+    lay = floor.layout(ckpt, torch.float32)
+    args = load_args(str(ckpt))
+    assert lay.head == args.vocab_size * args.hidden_size * 4 and lay.screen == args.vocab_size * (args.hidden_size + 8)
+    plain, screened = lay.step([5]), lay.step([5], screened=True)
+    assert plain["weights"] - screened["weights"] == lay.head - lay.screen > 0
+    assert plain["total"] - screened["total"] == lay.head - lay.screen
+    fl = floor.bench_floor(lay, [([5], [{0, 1}] * len(lay.expert))], 1e9, 1.0, screened=True)
+    assert fl["vocabulary_screened"] and "screen" in fl["basis"]
+    cell = read_json(ev / "bench/single-b1.json")  # the torch path: no screen
+    assert cell["floor"]["vocabulary_screened"] is False
+    from workflow import summary
+
+    assert "int8 screen" not in summary.bench_floor_lines([cell])[0]
+    assert "int8 screen" in summary.bench_floor_lines([cell, {"floor": fl}])[0]
 
 
 def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch):

@@ -46,8 +46,8 @@ def test_gpu_audit_has_every_kernel_without_spills(dirs):
     kernel_audit.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
     audit = read_json(ev / "kernels/audit.json")
     assert {r["kernel"] for r in audit["kernels"]} == {"gemv_exact", "gemv_fused", "gemm_per_token", "pick_batch",
-                                                      "head_pick", "add_rms_norm", "experts_gate_up", "experts_down",
-                                                      "skinny_linear"}
+                                                      "head_pick", "head_screen", "head_check", "add_rms_norm",
+                                                      "experts_gate_up", "experts_down", "skinny_linear"}
     assert all(r["registers"] > 0 for r in audit["kernels"])
     assert audit["verdict"] == ("spills" if any(r["spills"] for r in audit["kernels"]) else "ok")
     assert read_json(ev / "stages/kernel_audit.json")["status"] == "ok"
@@ -65,15 +65,17 @@ def test_the_vocabulary_projection_is_audited_at_the_hidden_size_alone(monkeypat
     def fake(module):
         def launch(*args, **kwargs):
             if module is head:
-                weights["head"] = tuple(args[1].shape)
-            return SimpleNamespace(n_regs=32, n_spills=0, metadata=SimpleNamespace(shared=0, num_warps=1))
+                weights.setdefault("head", set()).add(tuple(args[1].shape))
+            compiled = SimpleNamespace(n_regs=32, n_spills=0, metadata=SimpleNamespace(shared=0, num_warps=1))
+            return (compiled, compiled) if kwargs.get("screened") else compiled
         return launch
 
     for module in (argmax, gemv, head, norm, skinny):
         monkeypatch.setattr(module, "_launch", fake(module))
+    monkeypatch.setattr(head, "_launch_screened", lambda *a: fake(head)(*a, screened=True))
     rows = audit.audit([64, 96, 160], vocab=256, hidden=96, device="cpu")
-    assert [r["K"] for r in rows if r["kernel"] == "head_pick"] == [96]
-    assert weights["head"] == (256, 96)
+    assert [r["K"] for r in rows if r["kernel"] in ("head_pick", "head_screen", "head_check")] == [96] * 3
+    assert weights["head"] == {(256, 96)}
     assert sorted(r["K"] for r in rows if r["kernel"] == "gemv_exact") == [64, 96, 160]  # the projections: every K
 
 

@@ -41,13 +41,18 @@ class Layout:
     top_k: int
     n_experts: int
     cache_row: Callable[[int], int]  # the cache one row reads at P positions
+    head: int = 0  # the vocabulary projection's weight, within `weights`
+    screen: int = 0  # its int8 screen's bytes (kernels/head.py: a byte an element, a scale and a bound a row)
 
-    def step(self, positions: list[int], experts: list[Collection[int]] | None = None, ranks: int = 1) -> dict:
+    def step(self, positions: list[int], experts: list[Collection[int]] | None = None, ranks: int = 1,
+             screened: bool = False) -> dict:
         """The least a step of rows at `positions` reads: the weights once, each row's embedding row and cache, and
         the routed experts: per MoE layer those the rows chose (`experts`: their union a layer), each read once
         however many rows chose it; None: top_k a layer, as identical rows choose. Over `ranks` expert-parallel
         ranks (the engine's contiguous shards: engine.parallel.ExpertParallel.experts) the busiest rank's: every
-        rank reads the weights and the cache, and the chosen experts of its own shard."""
+        rank reads the weights and the cache, and the chosen experts of its own shard. `screened`: the step picks
+        through the vocabulary projection's screen (the engine's graph path at batch 1), which it reads in place of
+        the projection's weight (the few rows it then reads in full are not counted: a floor stays below)."""
         if experts is None:
             chosen = sum(self.top_k * e for e in self.expert)
         else:
@@ -55,7 +60,7 @@ class Layout:
             chosen = max(sum(sum(1 for e in ids if e // shard == r) * b for ids, b in zip(experts, self.expert))
                          for r in range(ranks))
         batch = len(positions)
-        weights = self.weights + batch * self.per_row
+        weights = self.weights + batch * self.per_row - (self.head - self.screen if screened else 0)
         rows, cache = batch * self.row, sum(self.cache_row(p) for p in positions)
         return {"weights": weights, "chosen_experts": chosen, "embedding_rows": rows, "cache": cache,
                 "total": weights + chosen + rows + cache}
@@ -84,7 +89,9 @@ def layout(ckpt: Path, dtype: torch.dtype) -> Layout:
                   expert=[sum(size(n, p) for n, p in next(iter(m.experts.values())).named_parameters())
                           for m in experts],
                   top_k=args.num_experts_per_tok, n_experts=args.n_routed_experts,
-                  cache_row=lambda positions: positions * per_position)
+                  cache_row=lambda positions: positions * per_position,
+                  head=args.vocab_size * args.hidden_size * dtype.itemsize,
+                  screen=args.vocab_size * (args.hidden_size + 8))
 
 
 def v4_layout(args, dtype: torch.dtype) -> Layout:
@@ -164,11 +171,11 @@ def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, de
 
 
 def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]], bandwidth: float,
-                tpot_p50_ms: float, ranks: int = 1) -> dict:
+                tpot_p50_ms: float, ranks: int = 1, screened: bool = False) -> dict:
     """The floor of a bench cell's steady decode steps, each given as (every row's cache positions, the experts
     the rows chose a MoE layer), over `bandwidth` bytes/s, against its steady TPOT p50: per step its bytes
     (Layout.step), their mean by part, the floor in ms (mean, min, max over the steps) and floor / TPOT."""
-    per_step = [lay.step(positions, experts, ranks) for positions, experts in steps]
+    per_step = [lay.step(positions, experts, ranks, screened) for positions, experts in steps]
     unique = [len(ids) for _, experts in steps for ids in experts]
     ms = [b["total"] / bandwidth * 1e3 for b in per_step]
     floor_ms = statistics.fmean(ms)
@@ -177,7 +184,10 @@ def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]
                  "positions), and the routed experts the rows chose a MoE layer, each once (their union), from a "
                  "teacher-forced replay of each row (workflow/replay.py); over the measured read bandwidth "
                  "(kernels/hbm.py)" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the "
-                                       "cache and its own shard's chosen experts" if ranks > 1 else ""),
+                                       "cache and its own shard's chosen experts" if ranks > 1 else "")
+                 + ("; the vocabulary projection read through its int8 screen (kernels/head.py), as this path's step "
+                    "reads it" if screened else ""),
+        "vocabulary_screened": screened,
         BANDWIDTH_KEY: bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
         "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),
                            "top_k": lay.top_k, "experts": lay.n_experts, "moe_layers": len(lay.expert)}

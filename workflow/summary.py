@@ -372,7 +372,10 @@ def bench_floor_lines(cells: list[dict]) -> list[str]:
            f"layers, of {experts['experts']} routed experts, top-{experts['top_k']} a row (a same-prompt batch: "
            f"always {experts['top_k']})" if experts else "")
         + (". Expert-parallel cells: the busiest rank's (each rank reads the weights, the cache and its own shard's "
-           "chosen experts)" if any(f.get("ranks", 1) > 1 for f in floors) else "") + ".",
+           "chosen experts)" if any(f.get("ranks", 1) > 1 for f in floors) else "")
+        + (". The engine's graph path at batch 1 picks through the vocabulary projection's int8 screen: its floor "
+           "counts the screen's bytes in place of that weight's" if any(f.get("vocabulary_screened") for f in floors)
+           else "") + ".",
         "",
     ]
 
