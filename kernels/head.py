@@ -20,15 +20,14 @@ advance as ``head_pick`` without the logits, bit for bit, reading W in int8 and 
 screen (``screen_of(w)``) holds W's rows in int8 with one scale each, and a bound c_i on each row with
 |v_i - a_i| <= ||x|| c_i, where v_i is the kernel's fp32 dot of row i (gemv's order, as ``head_pick`` sums it) and
 a_i the screen's: the quantization residual's norm (Cauchy-Schwarz) and fp32 summation's error over K terms on both
-sums. The first launch writes, per row, lo_i = a_i - e_i and hi_i = a_i + e_i (e_i that bound, widened for the
-rounding of e itself), keeps T, the second largest lo over the rows (two atomic maxima), and lists each row whose
-hi, rounded to the logits' dtype, is not below T so rounded (as T only grows, the list holds every row that the
-final T admits). The second launch computes the listed rows that the final T still admits as ``head_pick`` does
-(gemv's ``row_dots`` on the same tile shape: the same bits) and picks among them. Every row left out has a rounded
-logit below two rows' that are listed (rounding is monotone), so the pick, the lowest index among equal maxima, and
-the runner-up are the full projection's. A NaN row is always listed. Why: at batch 1 the projection is the step's
-largest single read after the experts (419 MB in bf16 for DeepSeek-V2-Lite), and the pick needs only its top two
-(engine/DECODE.md v34).
+sums. The first launch stores, per row, hi_i = a_i + e_i (e_i that bound, widened for the rounding of e itself) and
+keeps T, the second largest lo_i = a_i - e_i (two atomic maxima). The second launch's programs each scan a span of
+the hi, list the rows whose hi, rounded to the logits' dtype, is not below T so rounded, compute them as
+``head_pick`` does (gemv's ``row_dots`` on the same tile shape: the same bits) and pick among them. Every row left out
+has a rounded logit below two listed rows' (rounding is monotone), so the pick, the lowest index among equal maxima,
+and the runner-up are the full projection's. A NaN row is always listed. Why: at batch 1 the projection is the
+step's largest single read after the experts (419 MB in bf16 for DeepSeek-V2-Lite), and the pick needs only its top
+two (engine/DECODE.md v34).
 """
 from __future__ import annotations
 
@@ -140,7 +139,7 @@ def _launch(x, w, logits, ids, margins, counts, nxt, lengths):
 
 
 @dataclass
-class Screen:
+class VocabScreen:
     """W's screen (``screen_of``) and the two launches' scratch, reused by every step (one stream)."""
     q: torch.Tensor  # uint8 [V, K]: q + 128, q in -127..127
     scale: torch.Tensor  # fp32 [V]: row i is about scale_i * q_i
@@ -158,7 +157,7 @@ def summation_bound(K: int) -> float:
     return 1.1 * (K + 2) * 2.0 ** -24
 
 
-def screen_of(w: torch.Tensor) -> Screen | None:
+def screen_of(w: torch.Tensor) -> VocabScreen | None:
     """W [V, K]'s int8 screen on W's device, or None where W holds a non-finite value (no scale bounds it) or K is not
     a multiple of 4 (the screen reads its bytes four at a time)."""
     if w.shape[1] % 4 or not bool(torch.isfinite(w).all()):
@@ -179,7 +178,7 @@ def screen_of(w: torch.Tensor) -> Screen | None:
         q[r0:r0 + QUANT_CHUNK] = (qq + 128).to(torch.uint8)
         scale[r0:r0 + QUANT_CHUNK] = s
         bound[r0:r0 + QUANT_CHUNK] = torch.nextafter(c.float(), torch.tensor(float("inf"), device=dev))
-    return Screen(q, scale, bound, torch.full((2,), float("-inf"), device=dev),
+    return VocabScreen(q, scale, bound, torch.full((2,), float("-inf"), device=dev),
                   torch.zeros(1, dtype=torch.int32, device=dev), torch.empty(V, dtype=torch.float32, device=dev),
                   torch.empty(V, dtype=torch.int32, device=dev), torch.empty(CHECKERS * 3, device=dev))
 
@@ -325,7 +324,7 @@ def _check_kernel(x, w, state, count, his, listed, part, ids, margins, nxt, leng
         _count.reset(count)
 
 
-def screen_reason(x: torch.Tensor, w: torch.Tensor, screen: Screen | None, nxt: torch.Tensor,
+def screen_reason(x: torch.Tensor, w: torch.Tensor, screen: VocabScreen | None, nxt: torch.Tensor,
                   lengths: torch.Tensor) -> str | None:
     """Admission predicate of ``head_pick_screened``: None admits, else why the call takes its fallback."""
     if screen is None:
@@ -337,7 +336,7 @@ def screen_reason(x: torch.Tensor, w: torch.Tensor, screen: Screen | None, nxt: 
     return _rows_reason(x, w, nxt, lengths)
 
 
-def head_pick_screened(x: torch.Tensor, w: torch.Tensor, screen: Screen | None, nxt: torch.Tensor,
+def head_pick_screened(x: torch.Tensor, w: torch.Tensor, screen: VocabScreen | None, nxt: torch.Tensor,
                        lengths: torch.Tensor, fallback):
     """(ids int64 [1], margins fp32 [1]) of x [1, K] against w [V, K], ``head_pick``'s bit for bit, in two launches
     through W's screen; they also write the pick to nxt[0] and add one to lengths[0]. ``fallback()`` where they do
@@ -350,7 +349,7 @@ def head_pick_screened(x: torch.Tensor, w: torch.Tensor, screen: Screen | None, 
     return ids, margins
 
 
-def _launch_screened(x, w, screen: Screen, ids, margins, nxt, lengths):
+def _launch_screened(x, w, screen: VocabScreen, ids, margins, nxt, lengths):
     """The two launches; returns Triton's two compiled kernels (None under the interpreter)."""
     V, K = w.shape
     rows = _rows()
@@ -368,4 +367,4 @@ def _launch_screened(x, w, screen: Screen, ids, margins, nxt, lengths):
     return first, second
 
 
-__all__ = ["head_pick", "head_reason", "counts_for", "Screen", "screen_of", "head_pick_screened", "screen_reason"]
+__all__ = ["head_pick", "head_reason", "counts_for", "VocabScreen", "screen_of", "head_pick_screened", "screen_reason"]
