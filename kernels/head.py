@@ -50,6 +50,7 @@ SCREEN_ROWS = 8  # int8 rows a program of the screen
 SCREEN_WARPS = 2  # kernels.bench --head --variants on an H100: 8 rows in 2 warps the fastest of five
 CHECKERS = 128  # programs of the second launch, each scanning a span of the rows' hi (V = 102,400: one scan)
 SCAN = 1024  # hi a checking program scans at once
+INTERPRETER_CHECKERS = 4
 QUANT_CHUNK = 8192  # rows quantized at once (fp64: 128 MiB at K = 2048)
 
 
@@ -359,11 +360,12 @@ def _launch_screened(x, w, screen: VocabScreen, ids, margins, nxt, lengths):
         x, screen.q.view(torch.int32), screen.scale, screen.bound, screen.state, screen.hi, V, screen.q.stride(0) // 4,
         summation_bound(K), K=K, ROWS=screen_rows, BLOCK_K=block_k, ASM=not interpreting(), num_warps=SCREEN_WARPS,
         **pdl.flags(x.device))
-    span = triton.cdiv(triton.cdiv(V, CHECKERS), rows) * rows
-    second = _check_kernel[(CHECKERS,)](
+    checkers = INTERPRETER_CHECKERS if interpreting() else CHECKERS
+    span = triton.cdiv(triton.cdiv(V, checkers), rows) * rows
+    second = _check_kernel[(checkers,)](
         x, w, screen.state, screen.count, screen.hi, screen.listed, screen.part, ids, margins, nxt, lengths, V,
         w.stride(0), SPAN=span, SCAN=min(SCAN, triton.next_power_of_2(span)), K=K, ROWS=rows, BLOCK_K=block_k,
-        P=CHECKERS, DYNAMIC=not interpreting(), num_warps=NUM_WARPS, **pdl.flags(x.device))
+        P=checkers, DYNAMIC=not interpreting(), num_warps=NUM_WARPS, **pdl.flags(x.device))
     return first, second
 
 

@@ -84,6 +84,14 @@ def near_ties(x, w, rows, gen, apart=1.0):
     w[rows] = (base + apart * step * torch.randn(len(rows), w.shape[1], generator=gen, device=DEV)).to(w.dtype)
 
 
+def along(x):
+    """s Q with s = 2**-7 and Q integers along x, its largest 127 in magnitude: a row its int8 screen holds exactly
+    (in bf16 too), its logit far above random rows'."""
+    Q = torch.round(100 * x[0].float() / x[0].float().abs().max())
+    Q[0] = 127 if x[0, 0] >= 0 else -127
+    return 2.0 ** -7 * Q
+
+
 def assert_same_pick(got, want):
     ids, margins = got[:2]
     assert torch.equal(ids, want[1]), (ids, want[1])
@@ -93,7 +101,7 @@ def assert_same_pick(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("V", VOCAB[1:])
-@pytest.mark.parametrize("case", ["plain", "tie", "near", "nan_input"])
+@pytest.mark.parametrize("case", ["plain", "tie", "exact_tie", "near", "nan_input"])
 def test_the_screened_pick_is_head_picks_bit_for_bit(dtype, V, case, gen):
     """ids and margins equal head_pick's on the same inputs (its logits' pick), the pick written and the length
     advanced once, the screen's scratch back at its start (in the plain case a second step on a smaller x, which a T
@@ -102,6 +110,9 @@ def test_the_screened_pick_is_head_picks_bit_for_bit(dtype, V, case, gen):
     rows = sorted({V - 1, V // 2, 2} if V > 3 else {V - 1, 1})
     if case == "tie":
         w[rows] = (8 * x[0] / x[0].float().norm()).to(dtype)
+    if case == "exact_tie":  # identical rows the screen holds exactly: a bound far below a bf16 step, hi and T alike
+        w.mul_(1e-3)
+        w[rows] = along(x).to(dtype)
     if case == "near":
         near_ties(x, w, list(range(0, V, max(1, V // 40))), gen)
     if case == "nan_input":
@@ -113,7 +124,7 @@ def test_the_screened_pick_is_head_picks_bit_for_bit(dtype, V, case, gen):
         assert_same_pick(got, want)
         assert got[2].tolist() == [want[1].item(), -1, -1] and got[3].tolist() == [6, 5, 5]
         assert torch.equal(screen.state, torch.full_like(screen.state, float("-inf"))) and not screen.count.any()
-    if case == "tie":
+    if case in ("tie", "exact_tie"):
         assert got[0].item() == rows[0] and got[1].item() == 0
 
 
@@ -123,14 +134,12 @@ def test_the_screens_bound_is_what_finds_a_row_its_int8_logits_rank_low(gen):
     s Q (Q along x) plus a shift under half a step along x's signs (its int8 row Q again, its logit well above), rows 1 and 2 s Q
     with one element a step up where x is positive (their int8 logits above row 0's, their logits below)."""
     x, w = fresh(1, K, dtype=torch.float32, gen=gen), 1e-3 * fresh(VOCAB[0], K, dtype=torch.float32, gen=gen)
-    s = 2.0 ** -7
-    Q = torch.round(100 * x[0] / x[0].abs().max())  # along x: these rows' logits far above the rest's
-    Q[0] = 127 if x[0, 0] >= 0 else -127  # the row's largest: the scale is s for all three
+    s, base = 2.0 ** -7, along(x)  # along x: these rows' logits far above the rest's; the scale s for all three
     up = 1 + int(torch.argmax(x[0, 1:]))
     shift = 0.45 * s * torch.sign(x[0])
     shift[0] = 0
-    w[0] = s * Q + shift
-    w[1] = w[2] = s * Q
+    w[0] = base + shift
+    w[1] = w[2] = base
     w[1:3, up] += s
     screen = head.screen_of(w)
     want, *_ = launch(x, w)
