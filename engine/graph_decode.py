@@ -274,9 +274,10 @@ class GraphDecode(CapturedStep):
 
         if self.model.pick_kernel is None or lm_head.bias is not None:
             return apart()
-        if not logits and self.screens(x.shape[0]) and not self.head.screen_reason(x, lm_head.weight, self.screen, inputs, pos):
-            return None, *self.head.head_pick_screened(x, lm_head.weight, self.screen, inputs, pos, fallback=None)
-        return self.head.head_pick(x, lm_head.weight, counter, inputs, pos, fallback=apart)
+        w = lm_head.weight
+        if not logits and self.screens(x.shape[0]) and not self.head.screen_reason(x, w, self.screen, inputs, pos):
+            return None, *self.head.head_pick_screened(x, w, self.screen, inputs, pos, fallback=None)
+        return self.head.head_pick(x, w, counter, inputs, pos, fallback=apart)
 
     def screens(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows whose logits are not wanted picks through the vocabulary projection's

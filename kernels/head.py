@@ -329,7 +329,7 @@ def screen_reason(x: torch.Tensor, w: torch.Tensor, screen: VocabScreen | None, 
                   lengths: torch.Tensor) -> str | None:
     """Admission predicate of ``head_pick_screened``: None admits, else why the call takes its fallback."""
     if screen is None:
-        return "no screen (W holds a non-finite value)"
+        return "no screen (W holds a non-finite value, or K is not a multiple of 4)"
     if screen.q.shape != w.shape or screen.q.device != w.device:
         return f"the screen is of a {tuple(screen.q.shape)} weight, not this {tuple(w.shape)} one"
     if w.shape[1] % 4:

@@ -284,7 +284,8 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
     _, _, fast = models
     calls = []
     real = fast.graph_decode.step
-    monkeypatch.setattr(fast.graph_decode, "step", lambda c, t, **kw: (calls.append(tuple(t.shape)), real(c, t, **kw))[1])
+    monkeypatch.setattr(fast.graph_decode, "step",
+                        lambda c, t, **kw: (calls.append(tuple(t.shape)), real(c, t, **kw))[1])
     assert len(profilers.decode_steps(fast, PROMPT, 2, 3, cuda=False)) == 3
     assert calls == [(2,)] * 3
 

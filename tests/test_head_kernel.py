@@ -131,8 +131,9 @@ def test_the_screened_pick_is_head_picks_bit_for_bit(dtype, V, case, gen):
 def test_the_screens_bound_is_what_finds_a_row_its_int8_logits_rank_low(gen):
     """The screen finds a row whose int8 logit ranks below two others' while its own is the largest: with every bound
     zeroed (the screen trusting its int8 logits) it does not. In fp32, the rows built to quantize exactly: row 0 is
-    s Q (Q along x) plus a shift under half a step along x's signs (its int8 row Q again, its logit well above), rows 1 and 2 s Q
-    with one element a step up where x is positive (their int8 logits above row 0's, their logits below)."""
+    s Q (Q along x) plus a shift under half a step along x's signs (its int8 row Q again, its logit well above),
+    rows 1 and 2 s Q with one element a step up where x is positive (their int8 logits above row 0's, their logits
+    below)."""
     x, w = fresh(1, K, dtype=torch.float32, gen=gen), 1e-3 * fresh(VOCAB[0], K, dtype=torch.float32, gen=gen)
     s, base = 2.0 ** -7, along(x)  # along x: these rows' logits far above the rest's; the scale s for all three
     up = 1 + int(torch.argmax(x[0, 1:]))
