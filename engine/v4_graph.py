@@ -114,6 +114,7 @@ class V4GraphDecode(CapturedStep):
             r.fused = on
         for held in self.caches.values():  # a captured graph holds the other route
             held.widths.clear()
+            held.last.clear()
 
     def _step(self, cache: V4Cache, tokens: torch.Tensor) -> torch.Tensor:
         # the warm-up step and the replay write the same ring slots and entries with the same values: only the
