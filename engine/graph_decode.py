@@ -357,4 +357,12 @@ def enable(model: Transformer) -> Transformer:
     return model
 
 
-__all__ = ["GraphDecode", "enable"]
+def screened(model, rows: int) -> bool:
+    """Whether ``model``'s decode step of ``rows`` rows, its logits not wanted, picks through the vocabulary
+    projection's screen (the floors count the screen's bytes then): only GraphDecode's can; DeepSeek-V4's graph step,
+    the torch path and transformers' models read the projection's weight."""
+    dec = getattr(model, "graph_decode", None)
+    return isinstance(dec, GraphDecode) and dec.screens(rows)
+
+
+__all__ = ["GraphDecode", "enable", "screened"]

@@ -77,7 +77,10 @@ def test_the_steps_end_without_logits_picks_through_the_screen_as_the_logits_ste
     _, _, fast = models
     dec = fast.graph_decode
     assert dec.screen is not None
-    assert dec.screens(1) and not dec.screens(2)  # what the bench's floor counts
+    assert dec.screens(1) and not dec.screens(2)
+    # what the bench's and the profile's floors count: this path at one row only, never the torch path's model
+    assert graph_decode.screened(fast, 1) and not graph_decode.screened(fast, 2)
+    assert not graph_decode.screened(models[1], 1)
     for prompt in (PROMPT, LONGER):
         quiet = generate(fast, [prompt], N_NEW)
         seen = generate(fast, [prompt], N_NEW, observe=lambda *_: None)

@@ -128,8 +128,26 @@ def test_floor_counts_what_a_step_must_read(cpu_run):
     assert b["total"] == b["weights"] + b["chosen_experts"] + b["embedding_rows"] + b["cache"] > 0
     assert fl["floor_us"] == pytest.approx(b["total"] / (fl[floor.BANDWIDTH_KEY] * 1e9) * 1e6)
     assert fl[floor.BANDWIDTH_KEY] > 0 and fl["kernel_us_per_step"] is None  # no GPU kernels on a CPU
+    assert fl["vocabulary_screened"] is False  # the torch path reads the projection's weight
     text = "\n".join(summary.profile_section(ev))
-    assert f"a step must read {b['total'] / 1e6:.1f} MB" in text
+    assert f"a step must read {b['total'] / 1e6:.1f} MB" in text and "int8 screen" not in text
+
+
+def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_path, monkeypatch):
+    """Where the captured steps picked through the vocabulary projection's int8 screen (the graph path at one row:
+    engine.graph_decode.screened), the floor counts the screen's bytes in place of the projection's weight."""
+    from workflow.checkpoints import DTYPES
+
+    monkeypatch.setattr(profilers, "screened", lambda model, batch: batch == 1)
+    cfg = tinyev.config(profile={"steps": 2, "batch": 1})
+    ckpt, ev = tinyev.make(tmp_path, cfg)
+    profile.run(ckpt, ev)
+    c = read_json(ev / "profile/capture.json")
+    dtype = DTYPES[cfg["dtype"]]
+    lay, whole = floor.layout(ckpt, dtype), floor.step_bytes(ckpt, dtype, 1, c["prompt_tokens"] + 1)
+    assert c["floor"]["vocabulary_screened"] and lay.head > lay.screen > 0
+    assert c["floor"]["bytes"]["total"] == whole["total"] - (lay.head - lay.screen)
+    assert "int8 screen" in c["floor"]["basis"] and "int8 screen" in "\n".join(summary.profile_section(ev))
 
 
 def test_step_bytes_against_a_loaded_model(tmp_path):

@@ -39,6 +39,14 @@ def test_graph_path_decodes_as_the_torch_path(models):
     assert (teacher_forced(eng) - teacher_forced(ref)).abs().max() < 1e-4
 
 
+def test_its_step_reads_the_vocabulary_projection_whole(models):
+    """DeepSeek-V4's graph step has no vocabulary screen: the floors count the projection's weight for it (the
+    bench's floor asks engine.graph_decode.screened, which must answer for this path too)."""
+    from engine.graph_decode import screened
+
+    assert not screened(models[1], 1)
+
+
 def test_a_slot_left_idle_and_reused_leaves_every_row_as_alone(models):
     """The slot's state (window, compressor and indexer rings) emptied for the row that takes it."""
     ref, eng = models

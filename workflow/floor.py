@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BANDWIDTH_KEY = "read_bandwidth_GBps"  # the bandwidth a floor was set at, in a floor's record
+SCREENED_BASIS = ("the vocabulary projection read through its int8 screen (kernels/head.py), as this path's step "
+                  "reads it")
 BANDWIDTH_MIB, CPU_BANDWIDTH_MIB = 1024, 64  # the buffer read_bandwidth reads: a CPU's floor shows the machinery only
 
 
@@ -119,9 +121,9 @@ def v4_layout(args, dtype: torch.dtype) -> Layout:
                   cache_row=lambda positions: cache_bytes(args, positions, dtype.itemsize))
 
 
-def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int) -> dict:
+def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int, screened: bool = False) -> dict:
     """The least a decode step of `batch` identical rows at `positions` reads, by part (Layout.step)."""
-    return layout(ckpt, dtype).step([positions] * batch)
+    return layout(ckpt, dtype).step([positions] * batch, screened=screened)
 
 
 def cache_bytes(args, positions: int, itemsize: int) -> int:
@@ -152,19 +154,22 @@ def bandwidth(device: str) -> float:
 
 
 def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, device: str,
-          kernel_us_per_step: float | None) -> dict:
+          kernel_us_per_step: float | None, screened: bool = False) -> dict:
     """The floor of `steps` captured decode steps of `batch` rows after a `prompt_tokens` prefill, in `dtype` (a
-    name), against their kernel time per step (None: not measured)."""
+    name), against their kernel time per step (None: not measured); `screened`: the steps picked through the
+    vocabulary projection's screen (Layout.step)."""
     from workflow.checkpoints import DTYPES
 
-    parts = step_bytes(ckpt, DTYPES[dtype], batch, prompt_tokens + (steps + 1) // 2)
+    parts = step_bytes(ckpt, DTYPES[dtype], batch, prompt_tokens + (steps + 1) // 2, screened)
     bw = bandwidth(device)
     out = {"bytes": parts, BANDWIDTH_KEY: bw / 1e9, "floor_us": parts["total"] / bw * 1e6,
            "kernel_us_per_step": kernel_us_per_step,
            "basis": "every weight read once, the batch's embedding rows, top_k routed experts a MoE layer (identical "
                     "rows route alike) and the cache (MLA: the latent cache; DeepSeek-V4: sliding window, "
                     "compressed and indexer entries, the compressors' pooled windows: workflow/floor.py) at the "
-                    "captured steps' middle position, over the measured read bandwidth (kernels/hbm.py)"}
+                    "captured steps' middle position, over the measured read bandwidth (kernels/hbm.py)"
+                    + (f"; {SCREENED_BASIS}" if screened else ""),
+           "vocabulary_screened": screened}
     if kernel_us_per_step:
         out["floor_fraction"] = out["floor_us"] / kernel_us_per_step
     return out
@@ -185,8 +190,7 @@ def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]
                  "teacher-forced replay of each row (workflow/replay.py); over the measured read bandwidth "
                  "(kernels/hbm.py)" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the "
                                        "cache and its own shard's chosen experts" if ranks > 1 else "")
-                 + ("; the vocabulary projection read through its int8 screen (kernels/head.py), as this path's step "
-                    "reads it" if screened else ""),
+                 + (f"; {SCREENED_BASIS}" if screened else ""),
         "vocabulary_screened": screened,
         BANDWIDTH_KEY: bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
         "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),

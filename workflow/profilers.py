@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.generate import generate
+from engine.graph_decode import screened
 from workflow import privacy
 from workflow.evidence import read_config
 
@@ -101,7 +102,8 @@ def worker(ckpt: Path, evidence: Path, out: Path) -> None:
         ids = s.tokenizer.encode(cfg["prompt"]).ids
         decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True)  # warm-up: allocator, cuBLAS, Triton, graphs
         times = decode_steps(s.model, ids, cfg["batch"], cfg["steps"], True, profiled=True)
-    Path(out).write_text(json.dumps({"step_us": times, "prompt_tokens": len(ids)}))
+        Path(out).write_text(json.dumps({"step_us": times, "prompt_tokens": len(ids),
+                                         "vocabulary_screened": screened(s.model, cfg["batch"])}))
 
 
 # --- tools -------------------------------------------------------------------------------------
@@ -246,6 +248,7 @@ def capture_torch(ckpt: Path, evidence: Path, cuda: bool) -> tuple[dict, bytes]:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False) as prof:
             times = decode_steps(s.model, ids, cfg["batch"], cfg["steps"], cuda)
+        screens = screened(s.model, cfg["batch"])
     events = prof.events()
     ranges = [(e.time_range.start, e.time_range.end) for e in events
               if e.name.startswith("decode_step_") and e.device_type == DeviceType.CPU]
@@ -272,7 +275,7 @@ def capture_torch(ckpt: Path, evidence: Path, cuda: bool) -> tuple[dict, bytes]:
     keep = {k: trace[k] for k in ("traceEvents", "displayTimeUnit", "deviceProperties", "schemaVersion") if k in trace}
     data = gzip.compress(json.dumps(privacy.scrub_json(keep), separators=(",", ":")).encode(), mtime=0)
     return {"kernels": table(launches, basis_us=basis), "launches": len(launches), "step_us": times,
-            "prompt_tokens": len(ids), "what": kind,
+            "prompt_tokens": len(ids), "vocabulary_screened": screens, "what": kind,
             "share_basis": ("wall time of the decode steps (self CPU time of each op)" if not cuda
                             else "sum of every kernel's GPU time in the captured decode steps"),
             "command": "torch.profiler.profile(activities=[CPU" + (", CUDA" if cuda else "") + "]) in process",

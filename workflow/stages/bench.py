@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from engine import graph_decode
 from engine.checkpoint import CheckpointError
 from engine.generate import Generation, generate
 from workflow import floor, logprobs, replay
@@ -182,9 +183,8 @@ def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts:
     steps = [([len(p) + step - 1 for p in rows],
               [set().union(*(r.experts[step - 2][layer] for r in replayed)) for layer in range(len(lay.expert))])
              for step in range(3, len(tokens[0]) + 1)]
-    dec = getattr(s.model, "graph_decode", None)  # the engine's graph path (transformers' model has none)
     return check, floor.bench_floor(lay, steps, bandwidth, tpot_p50_ms, s.params.get("ep_size", 1),
-                                    screened=dec is not None and dec.screens(len(rows)))
+                                    screened=graph_decode.screened(s.model, len(rows)))
 
 
 def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwidth: float,
