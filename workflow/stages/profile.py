@@ -9,7 +9,8 @@ GPU) with a Chrome trace. The evidence records which tool ran and why each other
 tools are workflow/profilers.py.
 
 The floor (workflow/floor.py): the bytes a decode step must read (every weight once, but only the batch's
-embedding rows and the k routed experts a layer that identical rows choose, plus the latent cache), over the copy
+embedding rows and the k routed experts a layer that identical rows choose, plus the latent cache; the vocabulary
+projection's int8 screen in place of its weight where the captured steps picked through it), over the read
 bandwidth measured on the same device, against the captured steps' kernel time.
 
 Outputs: profile/capture.json (tool, reasons, steps, step times, floor, top kernels), profile/kernels.csv (name,
