@@ -133,13 +133,13 @@ def test_floor_counts_what_a_step_must_read(cpu_run):
     assert f"a step must read {b['total'] / 1e6:.1f} MB" in text and "int8 screen" not in text
 
 
-def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_path, monkeypatch):
-    """Where the captured steps picked through the vocabulary projection's int8 screen (the graph path at one row:
-    engine.graph_decode.screened), the floor counts the screen's bytes in place of the projection's weight."""
+def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_path):
+    """The graph path's steps at one row, asked for no logits, pick through the vocabulary projection's int8 screen
+    (engine.graph_decode.screened; Triton's interpreter on a CPU): the floor counts the screen's bytes in place of
+    the projection's weight."""
     from workflow.checkpoints import DTYPES
 
-    monkeypatch.setattr(profilers, "screened", lambda model, batch: batch == 1)
-    cfg = tinyev.config(profile={"steps": 2, "batch": 1})
+    cfg = tinyev.config(profile={"steps": 2, "batch": 1}, bench={**tinyev.config()["bench"], "kernels": "graph"})
     ckpt, ev = tinyev.make(tmp_path, cfg)
     profile.run(ckpt, ev)
     c = read_json(ev / "profile/capture.json")
