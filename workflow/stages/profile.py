@@ -106,7 +106,7 @@ def run(ckpt: Path, evidence: Path) -> dict:
         kernels = cap.pop("kernels")
         per_step = sum(k["total_us"] for k in kernels) / cfg["steps"] if cuda else None  # GPU time, every tool
         cap["floor"] = floor(ckpt, config["dtype"], cfg["batch"], cfg["steps"], cap.get("prompt_tokens", 0), device,
-                             per_step, cap.pop("vocabulary_screened", False))
+                             per_step, cap.pop("vocabulary_screened"))
         cap["top"] = kernels[: cfg["top"]]
         cap["kernel_count"] = len(kernels)
         st.add_file(write_text(evidence / "profile/kernels.csv", ",".join(CSV_HEADER) + "\n" + "".join(
