@@ -348,7 +348,7 @@ def test_a_round_with_a_gap_sends_each_request_that_much_after_the_one_before(sh
                                    tok, gap)
     steps = np.diff(Fake.arrivals)
     assert len(rnd["requests"]) == 3 and all(gap * 0.9 < d < gap * 1.9 for d in steps), steps
-    assert rnd["duration_ms"] >= 2 * gap * 1e3
+    assert rnd["duration_ms"] >= 2 * gap * 1e3 * 0.9  # the steps' tolerance: a loaded machine wakes threads late
 
 
 @pytest.mark.parametrize("mode, refused", [

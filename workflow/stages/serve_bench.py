@@ -22,6 +22,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -67,12 +68,12 @@ def probe(client: targets.Client, prompt: str) -> dict:
     return probe(EXTRAS[-1])  # none: an error now is the server's
 
 
-def one_request(client: targets.Client, body: dict, start: threading.Barrier, tok: Tokenizer,
+def one_request(client: targets.Client, body: dict, start: Callable[[], float], tok: Tokenizer,
                 delay_s: float = 0.0) -> dict:
-    """One streamed request, sent delay_s after every thread of its round is ready: each event that carries a choice,
-    in ms after sending (`chunk_ms`), and its output tokens (`counted_by`: the server's usage, else the tokenizer)."""
-    start.wait(BARRIER_S)
-    time.sleep(delay_s)
+    """One streamed request, sent delay_s after its round's start (`start()` waits until every thread of the round is
+    ready and returns that moment): each event that carries a choice, in ms after sending (`chunk_ms`), and its output
+    tokens (`counted_by`: the server's usage, else the tokenizer)."""
+    time.sleep(max(0.0, start() + delay_s - time.perf_counter()))  # one schedule: threads leave a barrier unevenly
     sent = time.perf_counter()
     chunks, texts, usage = [], [], None
     for at, event in client.stream(body):
@@ -93,7 +94,13 @@ def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict
              gap_s: float = 0.0) -> dict:
     """len(bodies) requests at once (or request r gap_s * r after the first): each as one_request records it, and the
     round's duration (first sent to last stream's end)."""
-    start = threading.Barrier(len(bodies))
+    t0 = []
+    ready = threading.Barrier(len(bodies), action=lambda: t0.append(time.perf_counter()))
+
+    def start() -> float:
+        ready.wait(BARRIER_S)
+        return t0[0]
+
     reqs = list(pool.map(lambda rb: one_request(client, rb[1], start, tok, gap_s * rb[0]), enumerate(bodies)))
     duration = (max(r.pop("end") for r in reqs) - min(r["sent"] for r in reqs)) * 1e3
     for r in reqs:
