@@ -27,9 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BANDWIDTH_KEY = "read_bandwidth_GBps"  # the bandwidth a floor was set at, in a floor's record
-SCREENED_BASIS = ("the vocabulary projection read through its int8 screen (kernels/head.py), as this path's step "
-                  "reads it")
+SCREEN_READ = "the vocabulary projection read through its int8 screen"  # a floor that counts the screen says so
 BANDWIDTH_MIB, CPU_BANDWIDTH_MIB = 1024, 64  # the buffer read_bandwidth reads: a CPU's floor shows the machinery only
+
+
+def screened_basis(screened: bool) -> str:
+    """What a floor's basis adds where the step picked through the screen (Layout.step)."""
+    return f"; {SCREEN_READ} (kernels/head.py), as this path's step reads it" if screened else ""
 
 
 @dataclass
@@ -154,7 +158,7 @@ def bandwidth(device: str) -> float:
 
 
 def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, device: str,
-          kernel_us_per_step: float | None, screened: bool = False) -> dict:
+          kernel_us_per_step: float | None, screened: bool) -> dict:
     """The floor of `steps` captured decode steps of `batch` rows after a `prompt_tokens` prefill, in `dtype` (a
     name), against their kernel time per step (None: not measured); `screened`: the steps picked through the
     vocabulary projection's screen (Layout.step)."""
@@ -168,7 +172,7 @@ def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, de
                     "rows route alike) and the cache (MLA: the latent cache; DeepSeek-V4: sliding window, "
                     "compressed and indexer entries, the compressors' pooled windows: workflow/floor.py) at the "
                     "captured steps' middle position, over the measured read bandwidth (kernels/hbm.py)"
-                    + (f"; {SCREENED_BASIS}" if screened else ""),
+                    + screened_basis(screened),
            "vocabulary_screened": screened}
     if kernel_us_per_step:
         out["floor_fraction"] = out["floor_us"] / kernel_us_per_step
@@ -190,7 +194,7 @@ def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]
                  "teacher-forced replay of each row (workflow/replay.py); over the measured read bandwidth "
                  "(kernels/hbm.py)" + (f"; the busiest of {ranks} expert-parallel ranks, each reading the weights, the "
                                        "cache and its own shard's chosen experts" if ranks > 1 else "")
-                 + (f"; {SCREENED_BASIS}" if screened else ""),
+                 + screened_basis(screened),
         "vocabulary_screened": screened,
         BANDWIDTH_KEY: bandwidth / 1e9, "steps": len(per_step), "ranks": ranks,
         "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),

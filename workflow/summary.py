@@ -523,7 +523,7 @@ def floor_lines(fl: dict | None) -> list[str]:
     b = fl["bytes"]
     took = (f"; the captured steps' kernels took {fl['kernel_us_per_step']:.0f} µs a step, "
             f"{100 * fl['floor_fraction']:.0f}% of it the floor" if fl.get("floor_fraction") else "")
-    screen = "; the vocabulary projection read through its int8 screen" if fl.get("vocabulary_screened") else ""
+    screen = f"; {floor.SCREEN_READ}" if fl.get("vocabulary_screened") else ""
     return [f"Floor: a step must read {b['total'] / 1e6:.1f} MB (weights {b['weights'] / 1e6:.1f}, chosen routed "
             f"experts {b['chosen_experts'] / 1e6:.1f}, cache {b['cache'] / 1e6:.2f}{screen}); at the measured read "
             f"bandwidth of {fl[floor.BANDWIDTH_KEY]:.0f} GB/s that is {fl['floor_us']:.0f} µs{took}.", ""]
