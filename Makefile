@@ -4,19 +4,31 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: run test ui lint clean
+.PHONY: run test ui lint lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the project's metadata changes, so a second `make run` costs seconds.
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+# requirements.lock holds the versions the suite was tested with; pyproject.toml only ranges (`make lock` makes the
+# lock anew). Where pip's find-links offer a CPU build of the locked torch (this machine and its CI do), pip takes it:
+# 2.13.0+cpu sorts above 2.13.0, so no multi-GB CUDA download. Reinstall only when either file changes.
+$(VENV)/.installed: pyproject.toml requirements.lock | $(BIN)/python
+	@echo "evident: installing the locked dependencies into $(VENV) (first time: a few minutes, torch the most) ..."
+	$(BIN)/python -m pip install -q -c requirements.lock -e .
+	@$(BIN)/python -c "import torch; print('evident: installed, torch', torch.__version__)"
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e '.[test]'
+$(VENV)/.installed-test: pyproject.toml requirements.lock $(VENV)/.installed
+	@echo "evident: installing the test dependencies into $(VENV) ..."
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[test]'
 	touch $@
+
+# The lock, made anew from pyproject's ranges for every platform (uv's universal resolution). torch stays at LOCK_TORCH
+# (the CPU build this machine's pip finds on disk) until someone moves it.
+LOCK_TORCH ?= 2.13.0
+lock: $(VENV)/.installed-test
+	echo "torch==$(LOCK_TORCH)" | $(BIN)/uv pip compile -q pyproject.toml --universal --all-extras --python-version 3.11 \
+	  -c /dev/stdin -o requirements.lock --custom-compile-command "make lock"
 
 # `evident run` checks the campaign files, then runs snakemake with these arguments.
 run: $(VENV)/.installed

@@ -1,9 +1,13 @@
 # evident: one target runs a campaign and leaves a sealed evidence directory.
 #   snakemake -c2                                   # the default campaign (config/config.yaml)
 #   snakemake -c2 --configfile config/campaigns/X.yaml
+import sys
+
+from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
 from snakemake.utils import min_version
 
-from workflow.campaign import validate_campaign
+from evident.workflow.campaign import validate_campaign
 
 min_version("9.0")
 
@@ -14,8 +18,15 @@ if not workflow.overwrite_configfiles:
     configfile: f"{workflow.basedir}/config/config.yaml"
 
 
-# An unknown key or a bad value stops the run here, before any work, naming the key.
-validate_campaign(config, f"{workflow.basedir}/config/schema.yaml")
+# An unknown key or a bad value stops the run here, before any work, naming the key: the message alone, logged as
+# Snakemake logs its errors (stdout in a dry run), without its traceback of this line, and its exit status 1.
+# Nothing exists yet to clean up: the locks and incomplete marks come later. --config's values are read by the
+# schema's types (Snakemake reads a nested one's scalars as strings).
+try:
+    validate_campaign(config, f"{workflow.basedir}/config/schema.yaml", workflow.config_settings.config)
+except WorkflowError as e:
+    logger.error(str(e))
+    sys.exit(1)
 
 
 include: "workflow/rules/common.smk"

@@ -29,9 +29,9 @@ def enable(model: Transformer, skip=lambda module: False, pick: bool = True, max
     more than ``max_rows`` rows keep torch's path, or with ``batched`` take kernels.skinny. Imports Triton here,
     not at engine import: the interpreter switch (TRITON_INTERPRET) is read when Triton compiles the kernels'
     decorators."""
-    from kernels.argmax import pick_batch
-    from kernels.gemv import gemm_per_token, gemv_fused
-    from kernels.skinny import skinny_linear
+    from evident.kernels.argmax import pick_batch
+    from evident.kernels.gemv import gemm_per_token, gemv_fused
+    from evident.kernels.skinny import skinny_linear
 
     def wide(x: torch.Tensor) -> bool:
         return max_rows is not None and x.shape[0] > max_rows

@@ -9,8 +9,8 @@ synchronises inside each step anyway), and the picks are made and written as the
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::
 
-    python -m engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
-    torchrun --nproc_per_node 2 -m engine.generate --backend host-staged --checkpoint DIR --prompt-ids 1,2,3
+    python -m evident.engine.generate --checkpoint DIR --prompt-ids 1,2,3 --max-new-tokens 16
+    torchrun --nproc_per_node 2 -m evident.engine.generate --backend host-staged --checkpoint DIR --prompt-ids 1,2,3
 
 ``forced`` runs the same prefill and batched decode step teacher-forced: each step is fed a given token instead
 of the greedy pick, so the engine's logits can be compared with a reference along one shared token path.
@@ -360,7 +360,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 def main(argv: list[str] | None = None) -> None:
     from .checkpoint import load_model
 
-    ap = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m evident.engine.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--prompt-ids", required=True, action="append",
                     help="comma-separated token ids; repeat for a batch")

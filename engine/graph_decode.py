@@ -182,7 +182,7 @@ class CapturedStep:
             state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"], logits)
             return state["logits"]
         if "graph" not in state:
-            from kernels.graphs import capture
+            from evident.kernels.graphs import capture
 
             # the warm-up step advances every row and writes its picks over the inputs: both put back before the
             # capture, or the first replay would step from the warm-up's positions and tokens
@@ -222,7 +222,7 @@ class GraphDecode(CapturedStep):
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head,
                                   max_rows=1, batched=True)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
-        from kernels import head, mla, moe, norm, route
+        from evident.kernels import head, mla, moe, norm, route
 
         self.head, self.mla, self.moe, self.norm, self.route = head, mla, moe, norm, route
         self.pick_counts = head.counts_for(model.lm_head.weight.shape[0])

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP endpoint over the engine: ``/v1/completions`` and ``/v1/models``.
 
-    python -m engine.serve --checkpoint DIR [--backend single] [--device cpu] [--dtype float32] --port P
+    python -m evident.engine.serve --checkpoint DIR [--backend single] [--device cpu] [--dtype float32] --port P
         [--kernels torch|triton|graph] [--max-batch 8] [--batch-window-ms 2]
 
 Greedy only (``temperature`` 0; anything else is a 400), the engine's own ``generate``. ``prompt`` is a string, a
@@ -545,7 +545,7 @@ def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", back
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    ap = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m evident.engine.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--backend", default="single", choices=["single"])
     ap.add_argument("--device", default="cpu")

@@ -74,7 +74,7 @@ class V4GraphDecode(CapturedStep):
     """Attached to a V4Transformer by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: V4Transformer, fuse_aux: bool = True, compiled: bool | None = None):
-        from kernels import gemv, hc, moe
+        from evident.kernels import gemv, hc, moe
 
         self.model, self.ep = model, None
         self.bucket = 256  # a new prompt length would otherwise be a new cache shape: a new capture and compile

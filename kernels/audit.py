@@ -5,7 +5,7 @@ are read from the compiled kernel Triton returns. Spilled registers go to local 
 memory-bound kernel cannot afford: the audit fails on any spill. The interpreter compiles nothing, so
 on a CPU there is nothing to audit.
 
-    python -m kernels.audit --k 2048,1408 --vocab 102400 --hidden 2048
+    python -m evident.kernels.audit --k 2048,1408 --vocab 102400 --hidden 2048
 """
 from __future__ import annotations
 

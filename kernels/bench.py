@@ -1,7 +1,7 @@
 """Kernel benchmark on a GPU: gemv_fused at the DeepSeek-V4 C4 auxiliary shape against the baselines
 measured in the same run, and the block-shape variants behind the chosen constants.
 
-    python -m kernels.bench [--variants]
+    python -m evident.kernels.bench [--variants]
 
 Times are medians in µs of CUDA-graph replays timed with CUDA events (no host launch cost counted):
 - streamed: calls back to back, each on its own copy of the weights (8 copies, over 2x the L2), so every
@@ -13,13 +13,13 @@ Times are medians in µs of CUDA-graph replays timed with CUDA events (no host l
 - warm: 20 calls back to back on the same weights (partly served by the L2).
 Every variant is checked bitwise against gemv_exact per segment before it is timed. Prints a table last.
 
-    python -m kernels.bench --skinny [--variants]
+    python -m evident.kernels.bench --skinny [--variants]
 
 times kernels/skinny.py instead, at batch 8 on DeepSeek-V2-Lite's projections (q + kv_a joined, o_proj)
 against cuBLAS (F.linear, one launch a projection) in the same run, streamed and marginal as above, with and
 without programmatic dependent launch, each checked against an fp64 reference first.
 
-    python -m kernels.bench --head [--variants]
+    python -m evident.kernels.bench --head [--variants]
 
 times kernels/head.py's one launch at batch 1 (DeepSeek-V2-Lite's vocabulary) against the four it replaces, and its
 screened two (``head_pick_screened``), streamed as above, its pick first checked against pick_batch's of its own

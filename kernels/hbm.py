@@ -73,7 +73,7 @@ def copy_bandwidth(mib: int = 512) -> float:
 
 
 def main() -> None:
-    """`python -m kernels.hbm` on a GPU: the read bandwidth the floors use, beside the copy they used before."""
+    """`python -m evident.kernels.hbm` on a GPU: the read bandwidth the floors use, beside the copy they used before."""
     rows = [(f"read, {mib} MiB, {CHAIN} launches between events (the floors')", read_bandwidth("cuda", mib))
             for mib in (1024, 2048)]
     rows.append(("copy, 512 MiB, one launch, read + written (the floors' before 2026-12-03)", copy_bandwidth()))

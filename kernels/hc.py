@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.deepseek_v4 import hyper_weights as hc_reference  # the torch path, the kernel's reference
+from evident.engine.deepseek_v4 import hyper_weights as hc_reference  # the torch path, the kernel's reference
 
 from . import pdl
 from ._admit import device_reason

@@ -30,7 +30,7 @@ BLOCK_K = 512
 NUM_WARPS = 1
 MAX_K = 16384  # the one-row kernel's K loop is unrolled at compile time
 # B >= 2: tensor-core tiles of G tokens (tl.dot's smallest tile side is 16) against DOT_BLOCK_N weight rows
-# (experts_gate_up: that many gate rows and as many up rows). Untuned: python -m kernels.moe_bench --variants.
+# (experts_gate_up: that many gate rows and as many up rows). Untuned: python -m evident.kernels.moe_bench --variants.
 # None of these may depend on B or on the routing (identical rows must stay bitwise identical).
 G = 16
 DOT_BLOCK_N = 64

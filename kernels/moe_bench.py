@@ -2,7 +2,7 @@
 against moe_reference and the HBM floor, for B=1 (the one-row kernel) and B=8 (the tensor-core kernel; all rows
 alike, as in the engine's benchmark, and distinct rows).
 
-    python -m kernels.moe_bench [--variants]
+    python -m evident.kernels.moe_bench [--variants]
 
 Medians in µs of CUDA-graph replays timed with CUDA events (kernels/bench.py's helpers):
 - streamed: 10 calls back to back, each routed to other experts (B=1 and alike rows cycle through disjoint

@@ -34,7 +34,7 @@ from ._mma import mma
 
 MIN_M, MAX_M = 2, 16
 BLOCK_M = 16
-# Untuned beyond a few variants on an H200 (python -m kernels.bench --skinny --variants); at DeepSeek-V2-Lite's q + kv_a
+# Untuned beyond a few variants on an H200 (python -m evident.kernels.bench --skinny --variants); at DeepSeek-V2-Lite's q + kv_a
 # (N = 3648, K = 2048) BLOCK_N = 32 gives 114 programs, about one per SM.
 BLOCK_N = 32
 BLOCK_K = 256

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from workflow.targets import free_port, port_free  # free_port: below the OS's ephemeral range, each port once
+from evident.workflow.targets import free_port, port_free  # free_port: below the OS's ephemeral range, each port once
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "postgresql"]

@@ -29,9 +29,9 @@ def main() -> None:
         return
     import torch
 
-    from engine.checkpoint import load_model
-    from engine.generate import forced, generate
-    from workflow.logprobs import Positions
+    from evident.engine.checkpoint import load_model
+    from evident.engine.generate import forced, generate
+    from evident.workflow.logprobs import Positions
 
     model = load_model(args.checkpoint, device="cpu", dtype=getattr(torch, args.dtype))
     cases = []

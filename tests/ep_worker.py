@@ -17,12 +17,12 @@ import sys
 
 import torch
 
-from engine import graph_decode
-from engine.checkpoint import load_model
-from engine.generate import generate
-from engine.generate import main as cli_main
-from engine.model import LatentCache, MoE
-from engine.parallel import BACKENDS, init_from_env
+from evident.engine import graph_decode
+from evident.engine.checkpoint import load_model
+from evident.engine.generate import generate
+from evident.engine.generate import main as cli_main
+from evident.engine.model import LatentCache, MoE
+from evident.engine.parallel import BACKENDS, init_from_env
 
 
 def sequence_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
@@ -91,7 +91,7 @@ def main(spec_path: str) -> None:
                 r["odd_error"] = f"{type(e).__name__}: {e}"
         result["backends"][backend] = r
         ep.close()
-        # the CLI, as `torchrun ... -m engine.generate --backend B` runs it (its own init_from_env and close)
+        # the CLI, as `torchrun ... -m evident.engine.generate --backend B` runs it (its own init_from_env and close)
         argv = ["--checkpoint", spec["ckpt"], "--max-new-tokens", str(n_new), "--backend", backend, "--device", device]
         for p in prompts:
             argv += ["--prompt-ids", ",".join(map(str, p))]

@@ -81,13 +81,13 @@ ROWS = [n for n, m in MUTANTS.items() if m[0] == "rows"]
 
 def module_of(name: str) -> str:
     """The engine module mutant `name` edits."""
-    return "engine.deepseek_v4" if name in V4_MUTANTS else "engine.model"
+    return "evident.engine.deepseek_v4" if name in V4_MUTANTS else "evident.engine.model"
 
 
 def mutated_source(name: str) -> str:
     """engine/model.py with mutant `name` applied (engine/deepseek_v4.py for a V4_MUTANTS one)."""
     _, _, old, new = MUTANTS[name] if name in MUTANTS else V4_MUTANTS[name]
-    file = module_of(name).replace(".", "/") + ".py"
+    file = module_of(name).removeprefix("evident.").replace(".", "/") + ".py"
     text = (REPO / file).read_text()
     if text.count(old) != 1:  # the engine moved on: the mutant must be rewritten, not silently skipped
         raise AssertionError(f"mutant {name}: {old!r} occurs {text.count(old)} times in {file}")
@@ -96,7 +96,7 @@ def mutated_source(name: str) -> str:
 
 def scratch(root: Path, name: str | None) -> Path:
     """A copy of `engine/` under root, with mutant `name` applied (None: unmutated). Returns root."""
-    dst = root / "engine"
+    dst = root / "evident" / "engine"  # `evident` is a namespace: this portion comes first, the tree's the rest
     shutil.copytree(REPO / "engine", dst, ignore=shutil.ignore_patterns("__pycache__"))
     if name is not None:
         (root / (module_of(name).replace(".", "/") + ".py")).write_text(mutated_source(name))
@@ -104,7 +104,8 @@ def scratch(root: Path, name: str | None) -> Path:
 
 
 # the opening of a `python -c` program run on a scratch copy (sys.argv[1]: its root): it must import the copy
-GUARD = "import sys\nimport engine\nassert engine.__file__.startswith(sys.argv[1]), engine.__file__\n"
+GUARD = ("import sys\nimport evident.engine.model as _m\n"
+         "assert _m.__file__.startswith(sys.argv[1]), _m.__file__\n")
 
 
 def env(src: Path) -> dict:
@@ -124,7 +125,7 @@ def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
     """The engine server (targets.engine_server) of a scratch copy of the engine with mutant
     `name`, an endpoint target for the quality gate: yields its base URL ending in /v1; always stopped. Its log
     is root/logs/serve.log."""
-    from workflow import targets
+    from evident.workflow import targets
 
     src = scratch(root, name)
     with targets.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src, env=env(src)) as (url, _):
@@ -158,7 +159,7 @@ def mutated_module(name: str) -> types.ModuleType:
     """engine/model.py (engine/deepseek_v4.py for a V4 mutant) with mutant `name` applied, as a module."""
     target = module_of(name)
     mod = types.ModuleType(f"{target}_mutant")
-    mod.__package__ = "engine"
+    mod.__package__ = "evident.engine"
     exec(compile(mutated_source(name), f"{target} ({name})", "exec"), mod.__dict__)
     return mod
 
@@ -167,11 +168,11 @@ def mutated_module(name: str) -> types.ModuleType:
 def applied(model, name: str):
     """Within the block, every module of the loaded engine ``model`` runs the mutated engine/model.py's class
     of its name, and the rope tables are the mutated ones (engine/deepseek_v4.py's classes for a V4 mutant)."""
-    import engine.deepseek_v4
-    import engine.model
+    import evident.engine.deepseek_v4
+    import evident.engine.model
 
     v4 = name in V4_MUTANTS
-    target = engine.deepseek_v4 if v4 else engine.model
+    target = evident.engine.deepseek_v4 if v4 else evident.engine.model
     mod = mutated_module(name)
     saved = [(m, type(m)) for m in model.modules() if type(m).__module__ == target.__name__]
     rope = None if v4 else (model.inv_freq, model.attention_scaling)

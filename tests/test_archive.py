@@ -20,8 +20,8 @@ import pytest
 import cluster
 import handbuilt
 import headless
-from workflow import archive, cli, diff
-from workflow.evidence import MANIFEST, Stage, write_json, write_manifest
+from evident.workflow import archive, cli, diff
+from evident.workflow.evidence import MANIFEST, Stage, write_json, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -77,7 +77,7 @@ def test_an_exact_id_wins_over_longer_ids_it_prefixes(arch):
 
 
 def test_bench_baseline_uses_the_archive_rules(arch):
-    from workflow.stages.bench_report import resolve_baseline
+    from evident.workflow.stages.bench_report import resolve_baseline
 
     current = arch / "tiny/aaaaaaa-c22222222-r1"
     assert resolve_baseline("aaa", current) == arch / "tiny/aaaaaaa-c11111111-r1"  # itself is excluded
@@ -470,7 +470,7 @@ def pipeline(tmp_path_factory):
 def run_evident(wd: Path, *args: str) -> subprocess.CompletedProcess:
     """The installed console script, from the working directory, as a user runs it."""
     exe = Path(sys.executable).with_name("evident")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "workflow.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "evident.workflow.cli"]
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run([*cmd, *args], cwd=wd, capture_output=True, text=True, env=env, timeout=300)
 

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 from test_engine_kernels import MICRO, PROMPT  # noqa: E402
 from test_engine_parity import hf_generate as hf_reference  # noqa: E402
 from test_engine_parity import hf_model  # noqa: E402
-from workflow.stages.bench import hf_generate  # noqa: E402
+from evident.workflow.stages.bench import hf_generate  # noqa: E402
 
 
 def test_hf_backend_marks_every_token_and_decodes_greedily():
@@ -30,11 +30,11 @@ def test_each_transformers_path_is_its_own_cell_on_its_own_experts(tmp_path):
     (float32), and the stage writes a cell per path with its warm-up recorded apart from the repeats; and the
     distinct-prompts cells of each path, its rows left-padded, each row as its prompt alone."""
     import tinyev
-    from workflow import environment
-    from workflow.evidence import read_json, write_json
-    from workflow.runs import HF_PATHS
-    from workflow.session import open_session
-    from workflow.stages import bench
+    from evident.workflow import environment
+    from evident.workflow.evidence import read_json, write_json
+    from evident.workflow.runs import HF_PATHS
+    from evident.workflow.session import open_session
+    from evident.workflow.stages import bench
 
     cfg = tinyev.config(bench={"backends": list(HF_PATHS), "batch_sizes": [1, 2], "prompt": "Hi", "new_tokens": 4,
                                "warmup": 1, "repeats": 1, "prompts": ["Hi", "A longer prompt, padded beside Hi"]})

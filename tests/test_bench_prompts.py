@@ -9,16 +9,16 @@ import contextlib
 import pytest
 import torch
 
-from engine.config import load_args
+from evident.engine.config import load_args
 
 import handbuilt as hb
 import mutants
 import tinyev
-from workflow import archive, diff, environment, floor, replay, trend
-from workflow.evidence import read_json, write_json
-from workflow.runs import DISTINCT
-from workflow.stages import bench
-from workflow.stages.bench_report import compare_to
+from evident.workflow import archive, diff, environment, floor, replay, trend
+from evident.workflow.evidence import read_json, write_json
+from evident.workflow.runs import DISTINCT
+from evident.workflow.stages import bench
+from evident.workflow.stages.bench_report import compare_to
 
 PROMPTS = ["Hi", "The cat sat on a long mat today", "7 + 5 =", "Hello, evident! The engine says"]  # mixed lengths
 NEW = 6
@@ -46,9 +46,9 @@ def benched(tmp_path_factory):
 def batched_choices(ckpt, rows: list[list[int]]) -> dict[int, list[set[int]]]:
     """Independently of the replay: the experts each MoE layer chose across the rows of the batched generate itself,
     per decode step (generate's `around` numbers the steps; hooks on the MoE layers re-run their router)."""
-    from engine.checkpoint import load_model
-    from engine.generate import generate
-    from engine.model import MoE
+    from evident.engine.checkpoint import load_model
+    from evident.engine.generate import generate
+    from evident.engine.model import MoE
 
     model = load_model(ckpt)
     step, chosen = [0], {}
@@ -127,7 +127,7 @@ def test_a_screened_step_counts_the_screen_in_place_of_the_vocabulary_projection
     assert fl["vocabulary_screened"] and "screen" in fl["basis"]
     cell = read_json(ev / "bench/single-b1.json")  # the torch path: no screen
     assert cell["floor"]["vocabulary_screened"] is False
-    from workflow import summary
+    from evident.workflow import summary
 
     assert "int8 screen" not in summary.bench_floor_lines([cell])[0]
     assert "int8 screen" in summary.bench_floor_lines([cell, {"floor": fl}])[0]
@@ -136,7 +136,7 @@ def test_a_screened_step_counts_the_screen_in_place_of_the_vocabulary_projection
 def test_a_batch_that_mixes_rows_writes_no_distinct_figure(tmp_path, monkeypatch):
     """An injected bug: each batched decode step feeds every row the last token of the next row. Same-prompt rows
     are identical, so their cells cannot see it; the distinct-prompts rows check does, and no figure is written."""
-    import engine.generate as g
+    import evident.engine.generate as g
 
     decode = g._decode
 
@@ -157,7 +157,7 @@ def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monke
     """An injected bug of the batched prefill (tests/mutants.py `prefill_counts_padding`): a ragged row's padding
     counted in its length, so that its decode attends to the padding's cache entries. Same-prompt rows have no
     padding, so their cells cannot see it; the distinct-prompts rows check does, and no figure is written."""
-    from engine.model import Transformer
+    from evident.engine.model import Transformer
 
     clean = make(tmp_path / "clean", dtype)
     run_bench(*clean)
@@ -171,8 +171,8 @@ def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monke
 
 def test_transformers_routers_choose_as_the_engine_does(benched):
     """The hf paths' floor comes from transformers' own routers (float32: the same choices as the engine's)."""
-    from engine.checkpoint import load_model
-    from workflow import hf
+    from evident.engine.checkpoint import load_model
+    from evident.workflow import hf
 
     ckpt, _ = benched
     rows, tokens = [[5, 9, 2], [7, 7, 3, 11, 4]], [[3, 8, 1, 4], [2, 2, 9, 6]]
@@ -214,8 +214,8 @@ def test_contracts_are_kept_apart_by_diff_trend_and_the_baseline(tmp_path):
 
 
 def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
-    from workflow import summary
-    from workflow.stages import bench_report
+    from evident.workflow import summary
+    from evident.workflow.stages import bench_report
 
     _, ev = benched
     cells = sorted((ev / "bench").glob("single*-b*.json"))

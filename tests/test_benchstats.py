@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workflow.benchstats import (
+from evident.workflow.benchstats import (
     NOISE,
     BenchError,
     contract_of,
@@ -391,7 +391,7 @@ def test_plot_bytes_identical_in_fresh_process(tmp_path):
     frame.to_pickle(tmp_path / "frame.pkl")
     there = tmp_path / "there.png"
     code = (
-        "import pandas as pd, sys; from workflow.benchstats import plot; "
+        "import pandas as pd, sys; from evident.workflow.benchstats import plot; "
         "plot(pd.read_pickle(sys.argv[1]), sys.argv[2])"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "frame.pkl"), str(there)],

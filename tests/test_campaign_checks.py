@@ -17,9 +17,9 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 import handbuilt
-from workflow import checkpoints, estimate, runs
-from workflow.campaign import evidence_config, models, required_fields, validate_campaign
-from workflow.evidence import MANIFEST, config_hash, sha256_bytes
+from evident.workflow import checkpoints, estimate, runs
+from evident.workflow.campaign import evidence_config, models, required_fields, validate_campaign
+from evident.workflow.evidence import MANIFEST, config_hash, sha256_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -210,7 +210,7 @@ def test_quality_defaults_fit_the_embedded_data_and_the_tiny_context():
     g = valid(minimal())["quality"]["gsm8k"]
     assert (g["limit"], g["shots"], g["max_tokens"]) == (8, 1, 64)
     tok, _, _ = checkpoints.build_tokenizer(512, 0, 1)
-    from workflow import gsm8k
+    from evident.workflow import gsm8k
 
     rows = {s: gsm8k.load_split(g, s)[0] for s in ("test", "train")}
     longest = max(len(tok.encode(it["prompt"]).ids) for it in gsm8k.build_prompts(rows["test"], rows["train"], 8, 1))

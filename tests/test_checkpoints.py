@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from workflow import checkpoints
-from workflow.checkpoints import CheckpointInvalid
+from evident.workflow import checkpoints
+from evident.workflow.checkpoints import CheckpointInvalid
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED, INIT_STD, DTYPE = 0, 0.08, "float32"
@@ -120,7 +120,7 @@ def test_the_campaign_check_builds_the_tokenizer_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from workflow import checkpoints; checkpoints.build_tokenizer(512, 0, 1); "
+    code = ("import sys; from evident.workflow import checkpoints; checkpoints.build_tokenizer(512, 0, 1); "
             "assert 'torch' not in sys.modules; assert checkpoints.DTYPES['bfloat16'] is __import__('torch').bfloat16")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -211,8 +211,8 @@ def test_a_synthetic_checkpoint_of_each_family_is_transformers_own_and_the_engin
     drawn like the weights); transformers and the engine load it cleanly and agree on the logits."""
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_model
-    from engine.model import LatentCache
+    from evident.engine.checkpoint import load_model
+    from evident.engine.model import LatentCache
 
     out = checkpoints.write_synthetic(tmp_path / "f", {**tiny_config, **family}, SEED, INIT_STD, DTYPE)
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
@@ -238,8 +238,8 @@ def test_mtp_layers_in_a_v3_checkpoint_are_named_and_neither_side_reads_them(tin
 
     from safetensors.torch import save_file
 
-    from engine.checkpoint import load_model, mtp_tensors
-    from workflow import hf
+    from evident.engine.checkpoint import load_model, mtp_tensors
+    from evident.workflow import hf
 
     v3 = {**tiny_config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1}
     out = checkpoints.write_synthetic(tmp_path / "v3", v3, SEED, INIT_STD, DTYPE)

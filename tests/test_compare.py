@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from workflow import logprobs, verdicts
-from workflow.evidence import read_json, text_sha256, token_sha256
-from workflow.logprobs import REFERENCE_DTYPE as F32
-from workflow.stages import compare as cmp
-from workflow.stages.compare import HashMismatch, check_hashes, compare
-from workflow.traces import first_row_mismatch
-from workflow.verdicts import SEVERITY
+from evident.workflow import logprobs, verdicts
+from evident.workflow.evidence import read_json, text_sha256, token_sha256
+from evident.workflow.logprobs import REFERENCE_DTYPE as F32
+from evident.workflow.stages import compare as cmp
+from evident.workflow.stages.compare import HashMismatch, check_hashes, compare
+from evident.workflow.traces import first_row_mismatch
+from evident.workflow.verdicts import SEVERITY
 
 ROOT = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.1
@@ -545,7 +545,7 @@ def _evidence_dir(tmp: Path, parity: dict, o: dict, runs: dict[str, dict]) -> Pa
 def _run_cli(ev: Path, *runs: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "workflow.stages.compare", "--evidence", str(ev), *[str(ev / "parity" / f"{r}.json") for r in runs]],
+        [sys.executable, "-m", "evident.workflow.stages.compare", "--evidence", str(ev), *[str(ev / "parity" / f"{r}.json") for r in runs]],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
 
@@ -684,7 +684,7 @@ def test_the_compare_defaults_are_the_schemas():
 def test_summary_parity_matrix_has_one_row_per_backend_path_batch():
     """SUMMARY.md's parity table: a row per run (not per case) with the forced figures, and each distinct first
     divergence listed once with the cells it occurs in."""
-    from workflow.summary import parity_section
+    from evident.workflow.summary import parity_section
 
     o, runs = bf16_campaign({"a": 1.5 * HF_ERROR, "b": 1.5 * HF_ERROR}, batch=2)
     res = compare(o, runs + [{**runs[0], "kernels": "graph"}], NEAR_TIE)

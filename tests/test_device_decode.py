@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import mla, moe
+from evident.kernels import mla, moe
 
 TOOL = Path(__file__).resolve().parents[1] / "tools/device_decode.py"
 
@@ -32,9 +32,9 @@ def test_cache_len_gives_every_cache_of_generate_at_least_that_many_positions_an
     fewer than the run needs), and the run's own length again after it; 0 changes nothing."""
     import torch
 
-    from engine.config import ModelArgs
-    from engine.generate import Rows
-    from engine.model import Transformer
+    from evident.engine.config import ModelArgs
+    from evident.engine.generate import Rows
+    from evident.engine.model import Transformer
     from test_engine_kernels import MICRO
 
     tool, model = _tool(), Transformer(ModelArgs.from_hf(MICRO)).eval()
@@ -50,7 +50,7 @@ def test_cache_len_gives_every_cache_of_generate_at_least_that_many_positions_an
 def test_carveout_knobs_hold_inside_are_put_back_and_must_name_a_kernel_and_a_percent():
     """``carveout.module.kernel=percent`` beside the constants: in force inside the block only, and refused before
     anything runs for a value outside 0-100 or a name that is no @triton.jit kernel."""
-    from kernels import gemv
+    from evident.kernels import gemv
 
     tool, splits = _tool(), mla.SPLITS
     with tool.knobs_set(f"mla.SPLITS={splits + 1},carveout.gemv._rows_kernel=30,carveout.mla._q_latent_kernel=0"):

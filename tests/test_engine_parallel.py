@@ -2,7 +2,7 @@
 
 One torchrun launch (tests/ep_worker.py) runs both backends on both ranks: sequence logits, greedy generation
 of two prompts at batch sizes 1..8, a mixed-prompt batch, a packed-expert checkpoint, a checkpoint whose
-expert count the world size does not divide, and the ``python -m engine.generate`` CLI. The test process
+expert count the world size does not divide, and the ``python -m evident.engine.generate`` CLI. The test process
 compares that with the single-device engine and with HF ``generate`` on the same tiny random DeepSeek-V2. The same
 launch also runs the group routings (DeepSeek-V2's group_limited_greedy, DeepSeek-V3's noaux_tc) on two tiny
 checkpoints of tests/test_engine_parity.py, one prompt, B=1 and one batch, torch path and graph step.
@@ -25,13 +25,13 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
-from engine.checkpoint import CheckpointError, load_model  # noqa: E402
-from engine.generate import generate  # noqa: E402
-from engine.model import MoE  # noqa: E402
-from engine.parallel import ExpertParallel, init_from_env  # noqa: E402
+from evident.engine.checkpoint import CheckpointError, load_model  # noqa: E402
+from evident.engine.generate import generate  # noqa: E402
+from evident.engine.model import MoE  # noqa: E402
+from evident.engine.parallel import ExpertParallel, init_from_env  # noqa: E402
 from test_engine_parity import CONFIGS, PROMPT as GROUP_PROMPT  # noqa: E402
 from test_engine_parity import hf_generate as parity_generate, hf_model as parity_model  # noqa: E402
-from workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
+from evident.workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"
@@ -248,7 +248,7 @@ def test_world_size_must_divide_experts(run):
 
 @pytest.mark.parametrize("backend", ["host-staged", "collective"])
 def test_cli_under_torchrun_rank0_prints(run, backend):
-    """``python -m engine.generate --backend ...`` (its main(), run by the worker on every rank)."""
+    """``python -m evident.engine.generate --backend ...`` (its main(), run by the worker on every rank)."""
     want = "".join(",".join(map(str, t)) + "\n" for t in run["hf_tokens"])
     assert run["ranks"][0]["backends"][backend]["cli_stdout"] == want
     assert run["ranks"][1]["backends"][backend]["cli_stdout"] == ""
@@ -279,7 +279,7 @@ def test_init_from_env_needs_torchrun(monkeypatch):
 
 
 def test_cli_without_torchrun_is_a_usage_error(run, monkeypatch, capsys):
-    from engine.generate import main
+    from evident.engine.generate import main
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as e:
@@ -326,7 +326,7 @@ def test_world_size_one_is_single_device_bitwise(run):
 
 CAPTURED_COLLECTIVE = """
 import torch, torch.distributed as dist
-from engine.parallel import init_from_env
+from evident.engine.parallel import init_from_env
 ep = init_from_env("collective", "cuda")
 x = torch.full((4,), 2.0, device=ep.device)
 side = torch.cuda.Stream()

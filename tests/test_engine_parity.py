@@ -27,10 +27,10 @@ transformers = pytest.importorskip("transformers")
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # noqa: E402
                           DeepseekV3ForCausalLM)
 
-from engine.checkpoint import CheckpointError, load_model  # noqa: E402
-from engine.config import ModelArgs  # noqa: E402
-from engine.generate import Generation, Rows, forced, generate  # noqa: E402
-from engine.model import LatentCache, MoE, Transformer, rope_inv_freq  # noqa: E402
+from evident.engine.checkpoint import CheckpointError, load_model  # noqa: E402
+from evident.engine.config import ModelArgs  # noqa: E402
+from evident.engine.generate import Generation, Rows, forced, generate  # noqa: E402
+from evident.engine.model import LatentCache, MoE, Transformer, rope_inv_freq  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 256

@@ -15,10 +15,10 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
 
-from engine.checkpoint import CheckpointError, load_model, mtp_tensors  # noqa: E402
-from engine.config import V4Args, args_from_hf  # noqa: E402
-from engine.deepseek_v4 import V4Cache, V4Transformer  # noqa: E402
-from engine.generate import forced, generate  # noqa: E402
+from evident.engine.checkpoint import CheckpointError, load_model, mtp_tensors  # noqa: E402
+from evident.engine.config import V4Args, args_from_hf  # noqa: E402
+from evident.engine.deepseek_v4 import V4Cache, V4Transformer  # noqa: E402
+from evident.engine.generate import forced, generate  # noqa: E402
 
 TOL = 1e-4  # fp32 reassociation on logits of magnitude ~5 (measured up to 2.7e-5); a logic bug moves them by ~1e-1
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -238,7 +238,7 @@ def test_the_logic_check_sees_every_v4_mutant():
     oracle's top-8, as the parity logic check reads them) past the logic tolerance; the unmutated engine and the
     precision mutant (a dtype change, none in float32) stay far inside it."""
     import mutants
-    from workflow.stages.compare import LOGIC_TOLERANCE
+    from evident.workflow.stages.compare import LOGIC_TOLERANCE
 
     hf = hf_model("all-types")
     eng = engine_of(hf)

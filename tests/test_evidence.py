@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from workflow import evidence
+from evident.workflow import evidence
 
 # --- hashes --------------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ def test_make_dirs(tmp_path, umask):
 
 
 def test_html_archive_is_world_readable(tmp_path, umask):
-    from workflow import pages
+    from evident.workflow import pages
 
     umask(0o077)
     root = tmp_path / "evidence"
@@ -209,6 +209,7 @@ def _git(repo: Path, *args: str) -> str:
 SOURCE = {
     "Snakefile": "include: 'workflow/rules/common.smk'\n",
     "pyproject.toml": "[project]\nname = 'p'\n",
+    "requirements.lock": "torch==2.13.0\n",
     "Makefile": "run:\n\ttrue\n",
     "config/config.yaml": "# the default campaign\ncampaign: tiny\n",
     "config/schema.yaml": "type: object\n",

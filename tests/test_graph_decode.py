@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import graph_decode  # noqa: E402
-from engine.generate import Rows, forced, generate  # noqa: E402
+from evident.engine import graph_decode  # noqa: E402
+from evident.engine.generate import Rows, forced, generate  # noqa: E402
 from test_engine_kernels import MICRO, N_NEW, PROMPT, micro_models  # noqa: E402
 from test_engine_parity import hf_generate  # noqa: E402
 
@@ -217,9 +217,9 @@ def test_the_shared_experts_start_early_at_batch_1_only(models):
 def test_router_ids_map_to_this_ranks_stack_rows(rank):
     """Expert parallelism over 2 ranks, 4 routed experts and 3 shared slices: a rank's own experts map to its
     stack rows in order, shared slice j to the rank j mod 2, everything else to -1 (not computed here)."""
-    from engine.config import ModelArgs
-    from engine.model import MoE
-    from engine.parallel import ExpertParallel
+    from evident.engine.config import ModelArgs
+    from evident.engine.model import MoE
+    from evident.engine.parallel import ExpertParallel
 
     ep = ExpertParallel(rank, 2, "collective")
     moe = MoE(ModelArgs.from_hf({**MICRO, "n_shared_experts": 3}), ep)
@@ -232,7 +232,7 @@ def test_router_ids_map_to_this_ranks_stack_rows(rank):
 def test_closing_the_expert_parallel_group_releases_the_graphs(models):
     """Captured NCCL work must be freed before the communicator is destroyed (pytorch#115388): the step
     registers its release with the group, which runs it first on close()."""
-    from engine.parallel import ExpertParallel
+    from evident.engine.parallel import ExpertParallel
 
     _, plain, _ = models
     ep, saved = ExpertParallel(0, 1, "collective"), plain.ep
@@ -282,7 +282,7 @@ def test_the_path_keeps_a_bounded_number_of_caches_the_least_recently_used_going
 
 def test_profile_captures_the_graph_step(models, monkeypatch):
     """bench.kernels: graph profiles the step the benchmark times, not the model's ordinary forward."""
-    from workflow import profilers
+    from evident.workflow import profilers
 
     _, _, fast = models
     calls = []
@@ -296,8 +296,8 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
 def test_rope_on_the_halves_becomes_interleaved_pairs_computing_the_same(tmp_path):
     """DeepSeek-V3 with rope_interleave false (q LoRA set, yarn): enabling the graph path permutes q's and k's rope
     rows into interleaved pairs; the ordinary forward then rotates interleaved pairs, to the same logits."""
-    from engine.checkpoint import load_model
-    from engine.model import LatentCache
+    from evident.engine.checkpoint import load_model
+    from evident.engine.model import LatentCache
     from test_engine_parity import CONFIGS, hf_model
 
     hf = hf_model({**CONFIGS["v3-q_direct-e16-g4-t1-k3-yarn4-halves"], "q_lora_rank": 16})
@@ -329,7 +329,7 @@ def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
     it can differ by row as well (MKL's AVX2 kernel rounds equal rows of one block by their place in it), so there
     the alike rows are compared bitwise at the lm_head's input, where the engine's own work ends (the step runs
     eagerly there: a hook sees it), and their logits to that matmul's rounding."""
-    from engine.checkpoint import load_model
+    from evident.engine.checkpoint import load_model
     from test_engine_parity import CONFIGS, hf_model
 
     hf = hf_model(CONFIGS[name])

@@ -3,7 +3,7 @@ refused before it is timed (a kernel that skips bytes would report a bandwidth n
 import pytest
 import torch
 
-from kernels import hbm
+from evident.kernels import hbm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

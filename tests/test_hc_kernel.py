@@ -3,7 +3,7 @@ random inputs (through the Triton interpreter without a GPU), its fallbacks and 
 import pytest
 import torch
 
-from kernels import hc
+from evident.kernels import hc
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -6,7 +6,7 @@ Without a GPU these run through the Triton interpreter on small vocabularies; wi
 import pytest
 import torch
 
-from kernels import head
+from evident.kernels import head
 from test_kernels import CUDA, DEV, VOCAB, fresh, gen, rel_err, torch_pick  # noqa: F401  (gen: a fixture)
 
 K = 2048 if CUDA else 96

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from workflow.evidence import read_json
-from workflow.stages import kernel_audit
+from evident.workflow.evidence import read_json
+from evident.workflow.stages import kernel_audit
 
 CONFIG = {"hidden_size": 2048, "kv_lora_rank": 512, "num_attention_heads": 16, "v_head_dim": 128,
           "moe_intermediate_size": 1408, "intermediate_size": 10944, "q_lora_rank": None, "n_shared_experts": 2,
@@ -58,7 +58,7 @@ def test_the_vocabulary_projection_is_audited_at_the_hidden_size_alone(monkeypat
     launches. The launches are stood in for (the interpreter compiles nothing), so this runs on a CPU."""
     from types import SimpleNamespace
 
-    from kernels import argmax, audit, gemv, head, norm, skinny
+    from evident.kernels import argmax, audit, gemv, head, norm, skinny
 
     weights = {}
 
@@ -81,8 +81,8 @@ def test_the_vocabulary_projection_is_audited_at_the_hidden_size_alone(monkeypat
 
 @pytest.mark.parametrize("verdict,fails", [("spills", True), ("ok", False), ("not_compiled", False)])
 def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
-    from workflow.evidence import write_json, write_manifest
-    from workflow.stages import gate
+    from evident.workflow.evidence import write_json, write_manifest
+    from evident.workflow.stages import gate
 
     ev = tmp_path / "ev"
     ev.mkdir()

@@ -6,9 +6,9 @@ one they run compiled at the engine's full shapes, plus CUDA-graph capture and r
 import pytest
 import torch
 
-from kernels import argmax as am
-from kernels import gemv, pdl
-from kernels.graphs import capture
+from evident.kernels import argmax as am
+from evident.kernels import gemv, pdl
+from evident.kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -10,10 +10,10 @@ DeepSeek-V2-Lite's shape and a 4096-position cache, plus CUDA-graph capture and 
 import pytest
 import torch
 
-from engine.config import ModelArgs
-from engine.model import LatentCache, RMSNorm, Transformer, apply_rope, project_pair
-from kernels import _l2, mla
-from kernels.graphs import capture
+from evident.engine.config import ModelArgs
+from evident.engine.model import LatentCache, RMSNorm, Transformer, apply_rope, project_pair
+from evident.kernels import _l2, mla
+from evident.kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

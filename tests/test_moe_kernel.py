@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import moe, pdl
-from kernels.graphs import capture
+from evident.kernels import moe, pdl
+from evident.kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -265,7 +265,7 @@ def test_shared_slots_started_early_read_this_step_s_x_in_a_graph(gen):
     step's order, under programmatic dependent launch) and replayed on a fresh residual each time: h the same bits as
     gate_up's after the router's end. A shared slot that read x before the router published it would read the last
     replay's x."""
-    from kernels import route
+    from evident.kernels import route
 
     D, I, E, k = FULL
     S = 2
@@ -295,7 +295,7 @@ def test_the_router_marks_h_unwritten(B, dtype, gen):
     """``h_reset``: the router fills the experts' h buffer with moe.sentinel's bits on each path, so that a down
     started early (``experts_down``'s early) sees every row as unwritten until this step's gate_up writes it; without
     ready (whose publication the fill precedes) it is an error."""
-    from kernels import route
+    from evident.kernels import route
 
     D, I, E, k = ROWS
     h, delta = (torch.randn(2, B, D, generator=gen, device=DEV)).to(dtype)

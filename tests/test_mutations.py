@@ -18,8 +18,8 @@ import pytest
 import mutants
 import tinyev
 import yaml
-from workflow.evidence import read_json
-from workflow.verdicts import DEFECTS
+from evident.workflow.evidence import read_json
+from evident.workflow.verdicts import DEFECTS
 
 pytestmark = pytest.mark.slow
 DTYPES = ("float32", "bfloat16")
@@ -33,7 +33,7 @@ CASES = [{"name": "greeting", "prompt": "Hello, evident! The engine says", "max_
          {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 16}]
 # runs in the scratch directory, so that `engine` is the mutated copy (first on PYTHONPATH), never the tree's
 RUN = mutants.GUARD + """
-from workflow.stages import compare, parity
+from evident.workflow.stages import compare, parity
 for ckpt, ev in zip(sys.argv[2::2], sys.argv[3::2]):
     parity.main(["--checkpoint", ckpt, "--evidence", ev, "--backend", "single", "--batch-sizes", "1,2"])
     compare.main(["--evidence", ev, ev + "/parity/single-b1.json", ev + "/parity/single-b2.json"])
@@ -43,7 +43,7 @@ for ckpt, ev in zip(sys.argv[2::2], sys.argv[3::2]):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     """{mutant or None: {dtype: comparison.json}}"""
-    from workflow.stages import oracle
+    from evident.workflow.stages import oracle
 
     root = tmp_path_factory.mktemp("mutations")
     shared = {}

@@ -3,8 +3,8 @@ through Triton's interpreter at small ragged widths, on a GPU at the DeepSeek-V2
 import pytest
 import torch
 
-from engine.model import RMSNorm
-from kernels import norm
+from evident.engine.model import RMSNorm
+from evident.kernels import norm
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from workflow.stages import oracle
+from evident.workflow.stages import oracle
 
 
 class Model(torch.nn.Module):

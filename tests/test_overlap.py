@@ -15,11 +15,11 @@ import pytest
 import torch
 import yaml
 
-from workflow import summary
-from workflow.benchstats import BenchError
-from workflow.evidence import read_json, write_manifest
-from workflow.stages import gate
-from workflow.stages import overlap as ov
+from evident.workflow import summary
+from evident.workflow.benchstats import BenchError
+from evident.workflow.evidence import read_json, write_manifest
+from evident.workflow.stages import gate
+from evident.workflow.stages import overlap as ov
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -62,7 +62,7 @@ def cpu_run(tmp_path_factory):
     cfg = write_config(ev, "cpu", inputs=16, **C4)
     assert cfg["overlap"]["trials"] == 200  # a schema default
     # the interpreter, as the rule sets it for a CPU campaign: a GPU machine's environment has no TRITON_INTERPRET
-    proc = subprocess.run([sys.executable, "-m", "workflow.stages.overlap", "--evidence", str(ev)],
+    proc = subprocess.run([sys.executable, "-m", "evident.workflow.stages.overlap", "--evidence", str(ev)],
                           capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -224,7 +224,7 @@ def test_broken_b_is_a_bitwise_mismatch_and_the_gate_fails(tmp_path, monkeypatch
     """B's fused GEMV perturbs one element of segment 1: every input set mismatches there only; the stage
     still succeeds (the evidence is written), and the gate fails after sealing. `auto`: the CPU path
     here, the CUDA graphs on a GPU machine."""
-    import kernels.gemv as gemv
+    import evident.kernels.gemv as gemv
 
     real = gemv.gemv_fused
 

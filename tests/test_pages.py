@@ -14,7 +14,7 @@ import pytest
 
 import handbuilt
 import headless
-from workflow import archive, pages
+from evident.workflow import archive, pages
 
 HOSTILE = "\n### Notes\n\n- case `<script>alert(1)</script>` & \"quotes\" <b>bold?</b>\n"
 

@@ -22,7 +22,7 @@ import yaml
 import cluster
 import tinyev
 
-from workflow.evidence import MANIFEST, config_hash, sha256_file
+from evident.workflow.evidence import MANIFEST, config_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -207,7 +207,7 @@ def test_unknown_key_and_bad_value_fail_naming_the_key(tmp_path):
 
 
 def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
-    from workflow.checkpoints import write_synthetic
+    from evident.workflow.checkpoints import write_synthetic
 
     cfg = tinyev.synthetic()
     ckpt = write_synthetic(tmp_path / "ckpt", cfg["config"], 0, cfg["init_std"], "float32")
@@ -275,7 +275,7 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     checkpoint written from the same spec: the same bytes) and a command, beside the builtin engine, in one run:
     each its parity run held to the oracle, the URL a quality target and benched over HTTP too (with the builtin
     engine's server, beside the in-process bench), sealed with each verdict and level."""
-    from workflow import checkpoints, targets
+    from evident.workflow import checkpoints, targets
 
     spec = tinyev.synthetic()
     ckpt = tmp_path / "served-ckpt"

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import tinyev
-from workflow import floor, profilers, summary
-from workflow.evidence import read_json
-from workflow.stages import profile
+from evident.workflow import floor, profilers, summary
+from evident.workflow.evidence import read_json
+from evident.workflow.stages import profile
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +74,7 @@ def test_summary_section(cpu_run):
 def test_ranges_cover_exactly_the_decode_steps(tmp_path, monkeypatch):
     """The workload is engine.generate: its prefill (one forward of every row) inside `prefill`, then the CUDA profiler
     range opened before the first decode step and closed after the last, one forward per `decode_step_<i>`."""
-    from engine.checkpoint import load_model
+    from evident.engine.checkpoint import load_model
 
     ckpt, _ = tinyev.make(tmp_path, tinyev.config())
     model = load_model(ckpt)
@@ -135,11 +135,15 @@ def test_floor_counts_what_a_step_must_read(cpu_run):
 
 def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_path):
     """The graph path's steps at one row, asked for no logits, pick through the vocabulary projection's int8 screen
-    (engine.graph_decode.screened; Triton's interpreter on a CPU): the floor counts the screen's bytes in place of
-    the projection's weight."""
-    from workflow.checkpoints import DTYPES
+    (engine.graph_decode.screened): the floor counts the screen's bytes in place of the projection's weight. On the
+    GPU where there is one (the kernels run through Triton's interpreter only on a machine without one: conftest sets
+    it there, and the stage refuses a CPU run of the graph path without it)."""
+    from evident.workflow.checkpoints import DTYPES
 
-    cfg = tinyev.config(profile={"steps": 2, "batch": 1}, bench={**tinyev.config()["bench"], "kernels": "graph"})
+    # torch.profiler on the GPU too: the floor is under test, not the tools (ncu, nsys: test_tool_choice)
+    device, tool = ("cuda", "torch") if torch.cuda.is_available() else ("cpu", "auto")
+    cfg = tinyev.config(device=device, profile={"steps": 2, "batch": 1, "tool": tool},
+                        bench={**tinyev.config()["bench"], "kernels": "graph"})
     ckpt, ev = tinyev.make(tmp_path, cfg)
     profile.run(ckpt, ev)
     c = read_json(ev / "profile/capture.json")
@@ -153,8 +157,8 @@ def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_
 def test_step_bytes_against_a_loaded_model(tmp_path):
     """Weights as the engine loads them (real tensors, router gates fp32), counted independently of the meta
     model: everything but the routed experts and the embedding table, then top_k experts a MoE layer."""
-    from engine.checkpoint import load_model
-    from engine.model import MoE
+    from evident.engine.checkpoint import load_model
+    from evident.engine.model import MoE
 
     cfg = tinyev.config()
     ckpt, _ = tinyev.make(tmp_path, cfg)

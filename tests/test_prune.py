@@ -2,7 +2,7 @@
 
 Ages are relative to now: a sealed directory's from its manifest's created_utc, an unsealed one's from
 the directory's mtime. A running snakemake is played by a process holding the evidence lock the way
-workflow/rules/common.smk's `hold_evidence_lock` does.
+workflow/locks.py's `hold` does (for workflow/rules/common.smk).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import handbuilt
-from workflow import archive, cli, prune, tracking
-from workflow.evidence import MANIFEST, write_manifest
+from evident.workflow import archive, cli, prune, tracking
+from evident.workflow.evidence import MANIFEST, write_manifest
 
 pytestmark = pytest.mark.timeout(120)
 

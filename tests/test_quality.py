@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import tinyev
-from workflow import gsm8k, summary
-from workflow.evidence import read_json, sha256_bytes, write_manifest
-from workflow.stages import gate as gate_stage
+from evident.workflow import gsm8k, summary
+from evident.workflow.evidence import read_json, sha256_bytes, write_manifest
+from evident.workflow.stages import gate as gate_stage
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
 
@@ -204,7 +204,7 @@ def test_official_64_on_the_tiny_model_engine_against_hf(tmp_path):
     """64 official test rows, engine (through its endpoint) against hf on the tiny model. One official shot, not
     five: a 5-shot prompt is ~1,800 tokens of the tiny byte-level tokenizer, ~8 s a question for both targets on
     2 cores; the contract's 5 shots are covered by test_gold_and_prompts_follow_the_harness_format."""
-    from workflow.stages import quality
+    from evident.workflow.stages import quality
 
     cfg = tinyev.config(quality={"fail_on_flips": False, "gsm8k": {
         "source": "local", "test": str(SHARED / "test.jsonl"), "train": str(SHARED / "train.jsonl"),

@@ -18,9 +18,9 @@ import yaml
 
 import cluster
 import mutants
-from workflow import checkpoints
-from workflow.evidence import read_json, write_text
-from workflow.verdicts import NEAR_TIE
+from evident.workflow import checkpoints
+from evident.workflow.evidence import read_json, write_text
+from evident.workflow.verdicts import NEAR_TIE
 
 pytestmark = pytest.mark.slow
 DTYPES = ("float32", "bfloat16")
@@ -40,7 +40,7 @@ MEASURED = {"float32": mutants.LOGIC, "bfloat16": ("route_drop_smallest", "yarn_
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, dict]:
     """The default run's trained checkpoint and the default campaign, resolved as that run resolved it."""
-    from workflow.campaign import evidence_config, validate_campaign
+    from evident.workflow.campaign import evidence_config, validate_campaign
 
     ckpt = cluster.trained_checkpoint(tmp_path_factory)
     config = yaml.safe_load((mutants.REPO / "config/config.yaml").read_text())
@@ -63,8 +63,8 @@ def rounded(ckpt: Path, out: Path, dtype: str) -> Path:
 @pytest.fixture(scope="module")
 def gates(trained, tmp_path_factory) -> dict:
     """{dtype: {candidate: gate}} from one quality stage a dtype: hf, the engine and every mutant's endpoint."""
-    from workflow.stages import checkpoint as record_stage
-    from workflow.stages import quality
+    from evident.workflow.stages import checkpoint as record_stage
+    from evident.workflow.stages import quality
 
     ckpt32, config = trained
     root = tmp_path_factory.mktemp("quality-mutants")
@@ -110,7 +110,7 @@ def test_the_trained_reference_answers_most_held_out_questions(gates, dtype):
 def partings(by: dict, name: str) -> dict[int, float]:
     """{question: the reference's margin where `name`'s completion first parts from transformers'}: transformers'
     log-prob of its own token there less that of `name`'s token, in the campaign's dtype."""
-    from workflow import gsm8k, hf
+    from evident.workflow import gsm8k, hf
 
     rows, q = by["rows"], by["config"]["quality"]["gsm8k"]
     apart = [i for i, r in rows[name].items() if r["completion"] != rows["hf"][i]["completion"]]

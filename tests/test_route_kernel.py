@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import route as rt
+from evident.kernels import route as rt
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -73,7 +73,7 @@ def test_add_norm_route_is_the_norm_then_the_router_in_one_launch(shape, dtype, 
     fp32 rounding of the mean of squares: one rounding step of the dtype at most, rarely), the routes the reference's
     on the x it made; its counter is back at zero after each launch, so a second launch through it routes the same;
     an input the kernel does not admit (a strided delta) takes the two calls."""
-    from kernels import norm as nm
+    from evident.kernels import norm as nm
 
     D, E, k = shape
     h, w = problem(B, D, E, dtype, gen)
@@ -297,7 +297,7 @@ def test_shape_errors_are_errors_not_fallbacks(gen):
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("B", [1, 8])
 def test_cuda_graph_replay_is_bitwise(B, gen):
-    from kernels.graphs import capture
+    from evident.kernels.graphs import capture
     D, E, k = LITE
     x, w = problem(B, D, E, torch.bfloat16, gen)
     remap = torch.arange(E + 2, device=DEV).flip(0)

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from engine import parallel
-from workflow import runs
+from evident.engine import parallel
+from evident.workflow import runs
 
 
 def test_the_engine_transports_are_the_schemas_expert_parallel_backends():

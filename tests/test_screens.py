@@ -17,13 +17,13 @@ import yaml
 
 import tinyev
 from campaigns import rejected
-from kernels.overlap import Screen, ScreenError, checked
+from evident.kernels.overlap import Screen, ScreenError, checked
 from test_overlap import C4, seal_and_gate
 from test_overlap import write_config as overlap_config
-from workflow import archive, screens, summary, tracking
-from workflow.campaign import evidence_config, validate_campaign
-from workflow.evidence import read_json
-from workflow.stages import overlap as ov
+from evident.workflow import archive, screens, summary, tracking
+from evident.workflow.campaign import evidence_config, validate_campaign
+from evident.workflow.evidence import read_json
+from evident.workflow.stages import overlap as ov
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -184,7 +184,7 @@ def test_the_index_record_and_gate_cover_every_screen(correct_run, tmp_path):
     ev = correct_run
     index = read_json(ev / screens.INDEX)
     assert [(e["name"], e["factory"], e["skipped"]) for e in index["screens"]] == [
-        ("c4", "kernels.overlap:c4_screen", ov.SKIP_REASON), ("doubling", GOOD["module"], None),
+        ("c4", "evident.kernels.overlap:c4_screen", ov.SKIP_REASON), ("doubling", GOOD["module"], None),
         ("plain", "tests.userscreens:plain", None)]
     assert index["screens"][1]["files"] == {"screen": "overlap/doubling/screen.json",
                                             "timings": "overlap/doubling/timings.csv",

@@ -20,12 +20,12 @@ import torch
 import yaml
 
 import tinyev
-from engine import serve
-from engine.checkpoint import load_model
-from engine.generate import Rows, generate
-from engine.serve import held_back, stop_index
+from evident.engine import serve
+from evident.engine.checkpoint import load_model
+from evident.engine.generate import Rows, generate
+from evident.engine.serve import held_back, stop_index
 from tokenizers import Tokenizer
-from workflow import checkpoints
+from evident.workflow import checkpoints
 
 openai = pytest.importorskip("openai")
 PROMPT = "Question: what is 12 + 30?\nAnswer:"
@@ -40,10 +40,10 @@ def server(tmp_path_factory):
     spec = cfg["checkpoint"]
     ckpt = tmp_path_factory.mktemp("serve") / "ckpt"
     checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], "float32")
-    from workflow.targets import free_port
+    from evident.workflow.targets import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--checkpoint", str(ckpt), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "evident.engine.serve", "--checkpoint", str(ckpt), "--port", str(port)],
                             cwd=tinyev.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/v1"
     try:
@@ -344,7 +344,7 @@ def test_top_logprobs_keep_k_entries_across_a_multi_byte_character(client, engin
 def live(eng):
     """The app over ``eng`` on a free port, in this process (so that its engine can be instrumented)."""
     import uvicorn
-    from workflow.targets import free_port
+    from evident.workflow.targets import free_port
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(serve.create_app(eng), host="127.0.0.1", port=port, log_level="warning"))

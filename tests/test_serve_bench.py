@@ -23,11 +23,11 @@ import yaml
 import handbuilt
 import tinyev
 from campaigns import overridden, rejected
-from workflow import archive, benchstats, diff, environment, targets, trend
-from workflow.benchstats import BenchError, request_metrics, side_by_side, summarize_http
-from workflow.evidence import read_json, stage_records, write_json, write_text
-from workflow.runs import DISTINCT, SAME
-from workflow.stages import bench_report, serve_bench
+from evident.workflow import archive, benchstats, diff, environment, targets, trend
+from evident.workflow.benchstats import BenchError, request_metrics, side_by_side, summarize_http
+from evident.workflow.evidence import read_json, stage_records, write_json, write_text
+from evident.workflow.runs import DISTINCT, SAME
+from evident.workflow.stages import bench_report, serve_bench
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
@@ -181,7 +181,7 @@ def test_bench_report_sets_the_engines_http_cells_beside_its_in_process_ones(tmp
     assert pd.isna(http[("remote", 1)]["inprocess_cell"])  # only the builtin engine's cells have one
     record = read_json(ev / "stages/bench_report.json")
     assert record["metrics"]["http-engine-c1.http_over_inprocess.tpot_p50_ratio"] == 2.0
-    from workflow.summary import http_section
+    from evident.workflow.summary import http_section
 
     text = re.sub(" +", " ", "\n".join(http_section(ev)))
     assert "### Benchmark over HTTP" in text and "| `remote` | same | 1 | 20.00 / 20.00 / 20.00 | 5.00 / 5.00 / 5.00 |" in text
@@ -189,7 +189,7 @@ def test_bench_report_sets_the_engines_http_cells_beside_its_in_process_ones(tmp
 
 
 def test_diff_trend_and_headline_keep_http_cells_apart(tmp_path):
-    from workflow.tracking import headline
+    from evident.workflow.tracking import headline
 
     a = handbuilt.build(tmp_path, eid="aaaaaaa-c11111111-r1", created="2026-01-01T00:00:00Z",
                         http_cells=[handbuilt.http_cell(tpot=10.0)])
@@ -408,7 +408,7 @@ def test_distinct_prompts_need_one_a_request_in_flight():
 
 
 def test_the_http_bench_brings_the_in_process_bench_and_reaches_its_urls():
-    from workflow.campaign import resolve_stages
+    from evident.workflow.campaign import resolve_stages
 
     cfg = {"stages": ["serve_bench"]}
     resolve_stages(cfg)

@@ -8,8 +8,8 @@ DeepSeek-V2-Lite's q + kv_a shape.
 import pytest
 import torch
 
-from kernels import pdl, skinny
-from kernels.graphs import capture
+from evident.kernels import pdl, skinny
+from evident.kernels.graphs import capture
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

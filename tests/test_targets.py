@@ -19,17 +19,17 @@ import yaml
 import mutants
 import tinyev
 from campaigns import overridden, rejected
-from workflow import targets
-from workflow.evidence import read_json
-from workflow.stages import compare, parity_target
-from workflow.verdicts import DEFECTS
+from evident.workflow import targets
+from evident.workflow.evidence import read_json
+from evident.workflow.stages import compare, parity_target
+from evident.workflow.verdicts import DEFECTS
 
 REPO = Path(__file__).resolve().parents[1]
 PARITY = {**tinyev.defaults(yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["parity"]),
           "batch_sizes": [1, 2]}
 CASES = [{"name": "greeting", "prompt": "Hello, evident! The engine says", "max_new_tokens": 12},
          {"name": "arithmetic", "prompt": "Question: what is 12 + 30?\nAnswer:", "max_new_tokens": 12}]
-SERVE = "{python} -m engine.serve --checkpoint {checkpoint} --dtype {dtype} --device {device} --port {port}"
+SERVE = "{python} -m evident.engine.serve --checkpoint {checkpoint} --dtype {dtype} --device {device} --port {port}"
 COMMAND = f"{{python}} {REPO / 'tests/command_engine.py'} --checkpoint {{checkpoint}} --dtype {{dtype}} {{request}} {{out}}"
 # transformers' own OpenAI-compatible server, as its `transformers` console script runs it
 TRANSFORMERS_SERVE = ("{python} -m transformers.cli.transformers serve {checkpoint} --host 127.0.0.1 --port {port} "
@@ -39,7 +39,7 @@ TRANSFORMERS_SERVE = ("{python} -m transformers.cli.transformers serve {checkpoi
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """(root, checkpoint, evidence dir, oracle document): the oracle's traces every target is held to."""
-    from workflow.stages import oracle
+    from evident.workflow.stages import oracle
 
     root = tmp_path_factory.mktemp("targets")
     ckpt, ev = tinyev.make(root, tinyev.config(parity=PARITY, cases=CASES))
@@ -108,7 +108,7 @@ def test_a_served_engine_bug_is_an_accuracy_gap_at_token_level(shared):
 @pytest.fixture(scope="module")
 def shared_bf16(tmp_path_factory):
     """`shared` in a bf16 campaign: the oracle in bf16 beside its float32 reference."""
-    from workflow.stages import oracle
+    from evident.workflow.stages import oracle
 
     root = tmp_path_factory.mktemp("targets-bf16")
     ckpt, ev = tinyev.make(root, tinyev.config(dtype="bfloat16", parity=PARITY, cases=CASES))
@@ -185,8 +185,8 @@ def test_transformers_serve_is_compared_at_text_level(shared, monkeypatch):
 
 def text_run(oracle: dict, texts: list[str]) -> dict:
     """A text-level target's run of the oracle's first case, rows `texts`, as the stage records it."""
-    from workflow.evidence import text_sha256
-    from workflow.traces import first_row_mismatch
+    from evident.workflow.evidence import text_sha256
+    from evident.workflow.traces import first_row_mismatch
 
     case = oracle["cases"][0]
     m = first_row_mismatch(texts)
@@ -241,7 +241,7 @@ def with_engines(*entries, **over) -> dict:
      "unknown placeholder(s) {model}"),
     ({"name": "x", "kind": "command", "command": "no-such-engine-binary {request} {out}"}, "engines.0.command",
      "'no-such-engine-binary' is not on PATH"),
-    ({"name": "x", "kind": "openai", "serve": {"command": "{python} -m engine.serve"}}, "engines.0.serve.command",
+    ({"name": "x", "kind": "openai", "serve": {"command": "{python} -m evident.engine.serve"}}, "engines.0.serve.command",
      "needs {port}"),
     ({"name": "single-triton", "kind": "command", "command": COMMAND}, "engines.0.name", "builtin engine's runs"),
     ({"name": "hf", "kind": "command", "command": COMMAND}, "engines.0.name", "choose another"),
@@ -307,7 +307,7 @@ def test_quality_takes_openai_targets_by_name_only():
 
 
 def test_the_evidence_config_records_no_url_and_no_absolute_path():
-    from workflow.campaign import evidence_config
+    from evident.workflow.campaign import evidence_config
 
     cfg = with_engines({"name": "remote", "kind": "openai", "url": "http://user:secret@10.0.0.1:8000/v1"},
                        {"name": "mine", "kind": "command", "command": "/home/someone/bin/eng --in {request} {out}"})
@@ -317,7 +317,7 @@ def test_the_evidence_config_records_no_url_and_no_absolute_path():
 
 
 def test_summary_shows_each_target_with_its_verdict_and_level(served, shared):
-    from workflow.summary import parity_section
+    from evident.workflow.summary import parity_section
 
     oracle = copy.deepcopy(shared[3])
     oracle["cases"] = oracle["cases"][:1]
@@ -372,9 +372,9 @@ def socket_on(port: int):
 def test_quality_runs_an_engines_entry_by_name(shared, tmp_path):
     """The quality stage takes an `engines:` entry by its name (here a serve target, started and stopped as the
     stage's own engine server is): on random weights the engine served twice must give identical completions."""
-    from workflow.evidence import write_text
-    from workflow.stages import checkpoint as record_stage
-    from workflow.stages import quality
+    from evident.workflow.evidence import write_text
+    from evident.workflow.stages import checkpoint as record_stage
+    from evident.workflow.stages import quality
 
     root, ckpt, _, _ = shared
     spec = {"name": "served", "kind": "openai", "serve": {"command": SERVE}}

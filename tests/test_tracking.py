@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 import handbuilt
-from workflow import tracking
-from workflow.evidence import Stage, read_json, write_json, write_manifest, write_text
+from evident.workflow import tracking
+from evident.workflow.evidence import Stage, read_json, write_json, write_manifest, write_text
 
 EID = "abc1234-c0123abcd-r1"
 STAGES = ("compare", "oracle")  # stage records sort by name

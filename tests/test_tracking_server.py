@@ -23,9 +23,9 @@ import pytest
 
 from test_tracking import (CAMPAIGN_START, HEADLINE_ARTIFACTS, HEADLINE_METRICS, HEADLINE_TAGS, build_headline,
                            seal)
-from workflow import tracking, ui
-from workflow.evidence import read_json
-from workflow.targets import free_port  # below the OS's ephemeral range, each port once
+from evident.workflow import tracking, ui
+from evident.workflow.evidence import read_json
+from evident.workflow.targets import free_port  # below the OS's ephemeral range, each port once
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
 pytestmark = [

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from workflow import arithmetic, checkpoints, gsm8k, training
-from workflow.campaign import model_config
+from evident.workflow import arithmetic, checkpoints, gsm8k, training
+from evident.workflow.campaign import model_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = model_config("tiny")
@@ -90,6 +90,29 @@ def test_another_seed_or_step_count_gives_other_weights(trained, tmp_path):
         assert _hashes(other)["model.safetensors"] != _hashes(trained)["model.safetensors"]
 
 
+def test_the_progress_line_says_the_time_left_from_the_mean_step_so_far(tmp_path, monkeypatch):
+    """Each line as training prints it: step, loss, seconds so far and, until the last step, the time left (the
+    mean step so far times the steps left). A clock of one second a reading makes the seconds exact."""
+    import re
+    import types
+
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(training, "time", types.SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    monkeypatch.setattr(training, "PROGRESS_SECONDS", 0.0)  # a line every step
+    lines = []
+    training.train(tmp_path / "p", TINY, 0, 0.02, "float32", SHORT, progress=lines.append)
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == SHORT["steps"], lines
+    for line in steps[:-1]:
+        m = re.fullmatch(r"step (\d+)/(\d+): loss \d+\.\d{4}, (\d+)s, about (\d+)s left", line)
+        assert m, line
+        done, total, elapsed, left = map(int, m.groups())
+        assert elapsed > 0 and left == round(elapsed / done * (total - done)), line
+    assert re.fullmatch(rf"step {SHORT['steps']}/{SHORT['steps']}: loss \d+\.\d{{4}}, \d+s", steps[-1]), steps[-1]
+    # past a minute, minutes and seconds
+    assert training.progress_line(54, 800, 0.5625, 87.2) == "step 54/800: loss 0.5625, 87s, about 20m05s left"
+
+
 def test_padded_values_train_as_transformers_sdpa_does(tmp_path):
     """training.PADDED_SDPA (the values zero-padded to the queries' head size, for torch's CPU flash kernel) gives
     transformers' own sdpa loss and gradients: the padding attends to zeros and is cut off."""
@@ -116,7 +139,7 @@ def test_trained_files_load_cleanly_in_transformers_and_the_engine(trained):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_model
+    from evident.engine.checkpoint import load_model
 
     model, info = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -151,7 +174,7 @@ def _campaign(**checkpoint) -> dict:
 def _problems(cfg: dict) -> str:
     from snakemake.exceptions import WorkflowError
 
-    from workflow.campaign import validate_campaign
+    from evident.workflow.campaign import validate_campaign
 
     try:
         validate_campaign(cfg, str(REPO / "config/schema.yaml"))
@@ -180,7 +203,7 @@ def test_rows_longer_than_the_context_are_refused_before_work():
 def test_another_trainer_version_is_another_cache_entry(monkeypatch):
     """A trainer that trains other weights from the same spec (training.VERSION) never reuses the old cache entry;
     a synthetic checkpoint's entry does not depend on it."""
-    from workflow import estimate
+    from evident.workflow import estimate
 
     trained = {"checkpoint": {"source": "trained", "seed": 0, "init_std": 0.02, "train": SHORT, "config": TINY},
                "dtype": "float32", "device": "cpu"}

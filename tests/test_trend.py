@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 import handbuilt as hb
-from workflow import terminal, trend
-from workflow.evidence import Stage, write_manifest
+from evident.workflow import terminal, trend
+from evident.workflow.evidence import Stage, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NOISE = 0.01  # per-repeat medians tpot, 1.01 tpot, 1.02 tpot: spread 0.0198, within the noise rule's 0.05

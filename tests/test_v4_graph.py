@@ -9,8 +9,8 @@ import torch
 from test_engine_v4 import engine_of, hf_model
 from test_graph_decode import slot_reused
 
-from engine import v4_graph
-from engine.generate import forced, generate
+from evident.engine import v4_graph
+from evident.engine.generate import forced, generate
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -42,7 +42,7 @@ def test_graph_path_decodes_as_the_torch_path(models):
 def test_its_step_reads_the_vocabulary_projection_whole(models):
     """DeepSeek-V4's graph step has no vocabulary screen: the floors count the projection's weight for it (the
     bench's floor asks engine.graph_decode.screened, which must answer for this path too)."""
-    from engine.graph_decode import screened
+    from evident.engine.graph_decode import screened
 
     assert not screened(models[1], 1)
 
@@ -69,7 +69,7 @@ def test_a_rows_reset_empties_its_state_and_only_its_own(models):
 
 def test_fused_aux_route_is_bitwise_equal_to_apart_and_runs(models, monkeypatch):
     _, eng = models
-    from kernels import gemv
+    from evident.kernels import gemv
 
     calls = []
     real = gemv.gemv_fused

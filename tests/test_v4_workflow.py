@@ -20,11 +20,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
 
-from engine.checkpoint import load_model  # noqa: E402
-from engine.config import V4Args, load_args  # noqa: E402
-from workflow import checkpoints, estimate, floor, hf, replay  # noqa: E402
-from workflow.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
-from workflow.stages import kernel_audit, overlap  # noqa: E402
+from evident.engine.checkpoint import load_model  # noqa: E402
+from evident.engine.config import V4Args, load_args  # noqa: E402
+from evident.workflow import checkpoints, estimate, floor, hf, replay  # noqa: E402
+from evident.workflow.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
+from evident.workflow.stages import kernel_audit, overlap  # noqa: E402
 from campaigns import overridden, rejected  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -329,7 +329,7 @@ def test_the_kernel_audit_takes_v4_shapes(ckpt):
     assert set(kernel_audit.V4_NOT_COVERED) <= set(missing) and any("mla" in k for k in missing)
     import inspect
 
-    from kernels.audit import COVERED, audit
+    from evident.kernels.audit import COVERED, audit
 
     takes = inspect.signature(audit).parameters
     want = {"limit": 10.0, "hc": (4, 20)}
@@ -368,7 +368,7 @@ def test_the_flash_model_is_deepseek_v4_flash_s_width():
 def test_a_graph_session_reloads_into_another_dtype(ckpt):
     """parity's teacher-forced runs reload the engine in float32; the V4 graph path must free its own (it had no
     stacks to clear and failed on the H200 there)."""
-    from workflow.session import Session, load_engine
+    from evident.workflow.session import Session, load_engine
 
     s = Session({}, "single", "cpu", load_engine(ckpt, "cpu", "bfloat16", None, "graph"), None, [], None, "graph", ckpt)
     with torch.inference_mode():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from workflow import checkpoints
-from workflow.evidence import write_text
+from evident.workflow import checkpoints
+from evident.workflow.evidence import write_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def defaults(schema: dict) -> dict:
 
 def synthetic() -> dict:
     """The default campaign's model as a random-weight synthetic checkpoint spec (init_std 0.08: decisive traces)."""
-    from workflow.campaign import model_config
+    from evident.workflow.campaign import model_config
 
     return {"source": "synthetic", "seed": 0, "init_std": 0.08, "config": model_config("tiny")}
 
@@ -65,7 +65,7 @@ def make(root: Path, cfg: dict) -> tuple[Path, Path]:
     checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], cfg["dtype"])
     ev.mkdir(parents=True, exist_ok=True)
     write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
-    from workflow.stages import checkpoint as stage
+    from evident.workflow.stages import checkpoint as stage
 
     stage.record(ckpt, ev)
     return ckpt, ev

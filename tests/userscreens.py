@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.overlap import Screen
+from evident.kernels.overlap import Screen
 
 ROWS, COLS = 8, 32  # tiny: the CPU runs them eagerly
 

@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow.estimate import checkpoint_dir  # noqa: E402
-from workflow.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
+from evident.workflow.estimate import checkpoint_dir  # noqa: E402
+from evident.workflow.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
 
 
 RUN = mutants.GUARD + """
-from workflow.stages import bench
+from evident.workflow.stages import bench
 bench.main(["--checkpoint", sys.argv[2], "--evidence", sys.argv[3], "--backend", "single", "--kernels", sys.argv[4],
             "--batch-sizes", sys.argv[5]])
 """

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import generate as generate_module, graph_decode  # noqa: E402
-from engine.config import ModelArgs  # noqa: E402
-from engine.generate import generate  # noqa: E402
-from engine.model import Transformer  # noqa: E402
+from evident.engine import generate as generate_module, graph_decode  # noqa: E402
+from evident.engine.config import ModelArgs  # noqa: E402
+from evident.engine.generate import generate  # noqa: E402
+from evident.engine.model import Transformer  # noqa: E402
 
 SHAPE = Path(__file__).resolve().parents[1] / "config/campaigns/dsv2-lite-graph.yaml"
 
@@ -110,7 +110,7 @@ class _Skip:
 
 def knockout(model, prompt: list[int]) -> None:
     """The replayed step at b1 and b8 with each kind of launch left out in turn."""
-    from kernels import mla, moe, norm, route
+    from evident.kernels import mla, moe, norm, route
 
     made, args = {}, model.args
     slots = args.num_experts_per_tok + args.n_shared_experts  # the router's: routed, then shared slices
@@ -169,7 +169,7 @@ def expert_parallel(a, prompt: list[int]) -> None:
     """Single GPU then EP over the torchrun ranks, both through the graph step; rank 0 prints the table."""
     import torch.distributed as dist
 
-    from engine.parallel import init_from_env
+    from evident.engine.parallel import init_from_env
 
     import faulthandler
     import time
@@ -241,7 +241,7 @@ def knobs_set(settings: str):
     for setting in filter(None, settings.split(",")):
         name, value = setting.split("=", 1)
         mod, const = name.removeprefix("carveout.").rsplit(".", 1)
-        mod = importlib.import_module(f"kernels.{mod}")
+        mod = importlib.import_module(f"evident.kernels.{mod}")
         if name.startswith("carveout."):
             kernel = getattr(mod, const)
             if not isinstance(kernel, (JITFunction, InterpretedFunction)) or not 0 <= int(value) <= 100:
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build(a.layers)
     if a.knockout:
         return knockout(model, prompt)
-    from kernels import pdl
+    from evident.kernels import pdl
 
     rows, dec = [], None
     with cache_at_least(a.cache_len):  # every measured step's cache (the profile below sizes its own)

@@ -29,11 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow import campaign, checkpoints, logprobs  # noqa: E402
-from workflow.evidence import read_json, write_json, write_text  # noqa: E402
-from workflow import session  # noqa: E402
-from workflow.runs import label  # noqa: E402
-from workflow.stages import checkpoint, compare, oracle, parity  # noqa: E402
+from evident.workflow import campaign, checkpoints, logprobs  # noqa: E402
+from evident.workflow.evidence import read_json, write_json, write_text  # noqa: E402
+from evident.workflow import session  # noqa: E402
+from evident.workflow.runs import label  # noqa: E402
+from evident.workflow.stages import checkpoint, compare, oracle, parity  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of this script on a tiny campaign
 def campaign_config(path: Path, layers: int | None, batches: list[int], kernels: list[str]) -> dict:
@@ -71,9 +71,9 @@ def diagnose(ckpt: Path, ev: Path, dtype: str) -> list[str]:
     """Where the engine's torch path loses precision against the float32 reference: the whole path in one forward
     (no decode steps) against prefill plus teacher-forced decode steps, each with cuBLAS's reduced-precision
     (bf16/fp16) split-K reductions allowed (torch's default) and not."""
-    from engine.checkpoint import load_model
-    from engine.generate import forced
-    from engine.model import LatentCache
+    from evident.engine.checkpoint import load_model
+    from evident.engine.generate import forced
+    from evident.engine.model import LatentCache
 
     model = load_model(ckpt, device=DEVICE, dtype=checkpoints.DTYPES[dtype])
     o, lines = read_json(ev / "oracle/hf.json"), []

@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--root", required=True, type=Path)
     a = ap.parse_args()
-    from workflow.evidence import evidence_id, git_state
-    from workflow.stages import checkpoint, context, profile
+    from evident.workflow.evidence import evidence_id, git_state
+    from evident.workflow.stages import checkpoint, context, profile
 
     cfg = yaml.safe_load(Path(a.campaign).read_text())
     cfg["campaign"] = a.name or f"{cfg['campaign']}-profile"

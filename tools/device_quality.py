@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from workflow import environment  # noqa: E402
-from workflow.evidence import write_text  # noqa: E402
-from workflow.stages import quality  # noqa: E402
+from evident.workflow import environment  # noqa: E402
+from evident.workflow.evidence import write_text  # noqa: E402
+from evident.workflow.stages import quality  # noqa: E402
 
 
 def main() -> None:

@@ -5,4 +5,5 @@ if [ "${1:-}" = install ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
     || exit 1
 fi
-export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
+# The project is not installed there: tools/evident/ links its folders under the `evident` namespace.
+export PYTHONPATH=$site:$PWD/tools:$PWD PYTHONUNBUFFERED=1

@@ -23,9 +23,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("EVIDENT_SKIP_DEVICE_CHECK", "1")
 
-from workflow import environment, training  # noqa: E402
-from workflow.campaign import validate_campaign  # noqa: E402
-from workflow.evidence import sha256_file  # noqa: E402
+from evident.workflow import environment, training  # noqa: E402
+from evident.workflow.campaign import validate_campaign  # noqa: E402
+from evident.workflow.evidence import sha256_file  # noqa: E402
 
 
 def main() -> None:

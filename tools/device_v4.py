@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import v4_graph  # noqa: E402
-from engine.config import CSA, HCA, args_from_hf  # noqa: E402
-from engine.deepseek_v4 import V4Transformer  # noqa: E402
-from engine.v4_checkpoint import FP32  # noqa: E402
-from engine.generate import forced, generate  # noqa: E402
+from evident.engine import v4_graph  # noqa: E402
+from evident.engine.config import CSA, HCA, args_from_hf  # noqa: E402
+from evident.engine.deepseek_v4 import V4Transformer  # noqa: E402
+from evident.engine.v4_checkpoint import FP32  # noqa: E402
+from evident.engine.generate import forced, generate  # noqa: E402
 
 
 def build(layers: int):

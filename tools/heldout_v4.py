@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.config import CSA as C, HASH_MOE, HCA as H, MOE, SLIDING as S  # noqa: E402
+from evident.engine.config import CSA as C, HASH_MOE, HCA as H, MOE, SLIDING as S  # noqa: E402
 
 
 def draw(rng: random.Random) -> dict:

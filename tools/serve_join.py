@@ -26,13 +26,13 @@ sys.path[:0] = [str(REPO)]
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from engine.serve import JOINS  # noqa: E402
-from workflow import environment, targets  # noqa: E402
-from workflow.benchstats import summarize_http  # noqa: E402
-from workflow.estimate import checkpoint_dir  # noqa: E402
-from workflow.evidence import read_config  # noqa: E402
-from workflow.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
-from workflow.stages.serve_bench import USAGE, round_of  # noqa: E402
+from evident.engine.serve import JOINS  # noqa: E402
+from evident.workflow import environment, targets  # noqa: E402
+from evident.workflow.benchstats import summarize_http  # noqa: E402
+from evident.workflow.estimate import checkpoint_dir  # noqa: E402
+from evident.workflow.evidence import read_config  # noqa: E402
+from evident.workflow.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
+from evident.workflow.stages.serve_bench import USAGE, round_of  # noqa: E402
 
 
 def policy(join: str, ckpt: Path, cfg: dict, texts: list[str], gap_s: float | None, log: Path) -> dict:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from workflow import tracking
-from workflow.gates import GATES, PARITY, document
-from workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
+from evident.workflow import tracking
+from evident.workflow.gates import GATES, PARITY, document
+from evident.workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
                                utc_now, write_json)
 
 ROOT = Path("evidence")

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from workflow.evidence import read_json
-from workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http, label_key
-from workflow.traces import markdown
+from evident.workflow.evidence import read_json
+from evident.workflow.runs import SAME, SHORT, cell_label, cell_prompts, is_http, label_key
+from evident.workflow.traces import markdown
 
 NOISE = 0.05
 """A cell is noisy when its per-repeat TPOT medians spread by more than this fraction of their
@@ -549,7 +549,7 @@ def plot(frame, path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from workflow.evidence import write_bytes
+    from evident.workflow.evidence import write_bytes
 
     if len(frame) == 0:
         raise BenchError("nothing to plot")

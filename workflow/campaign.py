@@ -1,8 +1,9 @@
 """Campaign config validation before any work: every error at once, each naming its key.
 
-validate_campaign runs, in order: the schema (jsonschema's iter_errors, defaults filled in as snakemake.utils.validate
-fills them; an unknown key gets a "did you mean"), the model (checkpoint.base merged with checkpoint.config, which
-must then be complete), what the schema cannot say (check_inputs) and the size estimate (workflow/estimate.py).
+validate_campaign runs, in order: the command line's overrides read by the schema's types (typed), the schema
+(jsonschema's iter_errors, defaults filled in as snakemake.utils.validate fills them; an unknown key gets a "did you
+mean"), the model (checkpoint.base merged with checkpoint.config, which must then be complete), what the schema
+cannot say (check_inputs) and the size estimate (workflow/estimate.py).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import yaml
 from jsonschema import Draft202012Validator, validators
 from snakemake.exceptions import WorkflowError
+from snakemake.utils import update_config
 
-from engine.config import V4, ModelArgs, V4Args, args_from_hf
-from workflow import checkpoints, estimate, runs, screens, targets
-from workflow.evidence import MANIFEST, sha256_bytes
+from evident.engine.config import V4, ModelArgs, V4Args, args_from_hf
+from evident.workflow import checkpoints, environment, estimate, runs, screens, targets
+from evident.workflow.evidence import MANIFEST, sha256_bytes
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
 HF_ONLY = {"architectures", "model_type", "torch_dtype", "dtype", "initializer_range", "use_cache",
@@ -44,6 +46,10 @@ TINY_OF = {V4: "deepseek-v4-tiny"}
 NEEDS = {"parity": "oracle", "serve_bench": "bench"}  # the HTTP bench stands beside the in-process one
 # An old key read as its new name, with a warning: a campaign file written for an earlier version still runs.
 RENAMED = {"nsight": "profile"}
+# The schema's types other than string, each as YAML reads a scalar (bool is an int to Python, not to the schema).
+SCALARS = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+           "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None}
 
 
 def models() -> list[str]:
@@ -74,9 +80,12 @@ def did_you_mean(name, candidates, listing: bool = False) -> str:
     return f"; the keys here: {', '.join(map(str, candidates))}" if listing else ""
 
 
-def validate_campaign(config: dict, schema: str) -> None:
+def validate_campaign(config: dict, schema: str, overrides: Mapping | None = None) -> None:
     """Validate, fill defaults and resolve the campaign in place (checkpoint.base merged into checkpoint.config;
-    quality.gsm8k's null limit, shots and max_tokens fitted); raise one WorkflowError listing every problem."""
+    quality.gsm8k's null limit, shots and max_tokens fitted); raise one WorkflowError listing every problem.
+    `overrides`: Snakemake's --config values, already merged into config, whose nested scalars it read as strings."""
+    if overrides:
+        update_config(config, typed(overrides, yaml.safe_load(Path(schema).read_text())))
     problems = renamed_keys(config)
     spec = config.get("checkpoint")
     if isinstance(spec, dict) and spec.get("source") == "trained":
@@ -99,6 +108,30 @@ def resolve_stages(config: dict) -> None:
     """`stages` with what the chosen stages need, in the pipeline's order."""
     chosen = set(config["stages"]) | {NEEDS[s] for s in config["stages"] if s in NEEDS}
     config["stages"] = [s for s in runs.STAGES if s in chosen]
+
+
+def typed(value, schema: dict):
+    """A --config override as a campaign file gives it: Snakemake reads the scalars of a nested value as strings
+    (`overlap={inputs: 8}` arrives as {'inputs': '8'}), so a string becomes what YAML reads it as where the schema
+    takes that type at its key (integer, number, boolean, null; through properties, items and oneOf/anyOf). Anything
+    else is left as given, for the schema to refuse (as a campaign file's own '8' is)."""
+    alts = [schema, *schema.get("oneOf", []), *schema.get("anyOf", [])]
+    if isinstance(value, Mapping):
+        props = {k: s for a in alts for k, s in a.get("properties", {}).items()}
+        more = next((a["additionalProperties"] for a in alts if isinstance(a.get("additionalProperties"), dict)), {})
+        return {k: typed(v, props.get(k, more)) for k, v in value.items()}
+    if isinstance(value, list):
+        items = next((a["items"] for a in alts if isinstance(a.get("items"), dict)), {})
+        return [typed(v, items) for v in value]
+    if isinstance(value, str):
+        types = {t for a in alts for t in ([a["type"]] if isinstance(a.get("type"), str) else a.get("type", []))}
+        try:
+            read = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        if any(SCALARS[t](read) for t in types & SCALARS.keys()):
+            return read
+    return value
 
 
 def renamed_keys(config: dict) -> list[tuple[str, str]]:
@@ -223,17 +256,27 @@ def _strings(node, where: str = ""):
         yield where, node
 
 
+def triton_problems(config: dict) -> list[tuple[str, str]]:
+    """The engine's Triton paths asked for where Triton is not installed (macOS)."""
+    why = environment.triton_missing()
+    stages = set(config["stages"])
+    asked = [("parity.kernels", k) for k in config["parity"]["kernels"] if "parity" in stages and k != "torch"]
+    if {"bench", "profile"} & stages and config["bench"]["kernels"] != "torch":
+        asked.append(("bench.kernels", config["bench"]["kernels"]))
+    return [(key, f"{path}: {why}") for key, path in asked] if why else []
+
+
 def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str]]:
     """What the schema cannot say, as (key, message), checked before any work (tests/reliability/test_bad_input.py).
 
     Text must be valid UTF-8 (YAML's `\\udc80` escape gives a lone surrogate that no file can hold), prompts must
-    not be blank, and each must fit the model's context with its new tokens: counted with the tokenizer where it
-    exists before any work (synthetic, local; a hub checkpoint's record counts them), else at least fewer new tokens
-    than the context. The quality defaults are fitted and checked (estimate.fit_quality), the reference must be a
-    target, each of `screens` must name a factory that imports (workflow/screens.py `problems`), expert-parallel
-    ranks must divide the experts, what the engine cannot run on the model is refused
-    (`v4_problems`), and `device: cuda` needs a GPU here (set EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without
-    one, whose jobs run elsewhere).
+    not be blank, a local checkpoint must be a folder with a config.json (`local_problems`), and each prompt must fit
+    the model's context with its new tokens: counted with the tokenizer where it exists before any work (synthetic,
+    local; a hub checkpoint's record counts them), else at least fewer new tokens than the context. The quality
+    defaults are fitted and checked (estimate.fit_quality), the reference must be a target, each of `screens` must
+    name a factory that imports (workflow/screens.py `problems`), expert-parallel ranks must divide the experts, what
+    the engine cannot run on the model is refused (`v4_problems`), and `device: cuda` needs a GPU here (set
+    EVIDENT_SKIP_DEVICE_CHECK=1 on a submit host without one, whose jobs run elsewhere).
     """
     out = []
     for where, text in _strings(config):
@@ -248,6 +291,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
     if not bench["prompt"].strip():
         out.append(("bench.prompt", "the prompt is blank"))
     prompts = bench.get("prompts") or []
+    out += local_problems(config["checkpoint"])
     out += [(f"bench.prompts.{i}", "the prompt is blank") for i, p in enumerate(prompts) if not p.strip()]
     if prompts and len(prompts) < max(bench["batch_sizes"]):
         out.append(("bench.prompts", f"{len(prompts)} prompts for batch sizes up to {max(bench['batch_sizes'])}: row r "
@@ -266,7 +310,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out.append(("checkpoint.train.seq_len", f"{train['seq_len']} tokens a row exceed the model's context of "
                                                 f"{context} (max_position_embeddings)"))
     if tok is not None and context is not None and not out:
-        from workflow.checkpoints import prompt_problems
+        from evident.workflow.checkpoints import prompt_problems
 
         out += [(key, what) for key, _, what in prompt_problems(tok, context, config)]
     out += estimate.fit_quality(config, context, tok)
@@ -287,6 +331,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         elif isinstance(t, dict) and t["name"] in engines:
             out.append((f"quality.targets.{i}.name", f"{t['name']!r} is an `engines:` entry's name too; name the entry "
                                                       "alone (its url or serve command is used)"))
+    out += triton_problems(config)
     o = config["overlap"]
     stated = [k for k in ("K", "segments", "gemm_n") if o[k] is not None]
     if stated and len(stated) < 3:
@@ -307,6 +352,24 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         if not torch.cuda.is_available():
             out.append(("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto"))
     return out
+
+
+def local_problems(spec: dict) -> list[tuple[str, str]]:
+    """checkpoint.path must be a folder with a config.json now: else Snakemake stops at record_checkpoint's missing
+    input, naming the file but not the key (the weights and their hashes the checkpoint record checks, as a hub
+    download's)."""
+    if spec["source"] != "local":
+        return []
+    path = Path(spec["path"])
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+    if not path.exists():
+        what = "does not exist"
+    elif not (path / "config.json").is_file():
+        what = "is not a folder with a config.json" if path.is_dir() else "is a file, not a folder"
+    else:
+        return []
+    return [("checkpoint.path", f"{spec['path']}{where} {what}: give an existing Hugging Face-format checkpoint "
+                                "folder (config.json, its tokenizer and *.safetensors weights)")]
 
 
 def model_type(config: dict, model: dict | None) -> str | None:
@@ -361,8 +424,8 @@ def v4_problems(config: dict, model: dict | None = None) -> list[tuple[str, str]
 def own_directory(config: dict, code_dir: Path) -> Callable[[], Path | None]:
     """The run's own evidence directory, its id derived as common.smk derives it (None while its campaign has none),
     as a call that derives it once, where a check first asks (a git call, and the hash of the user's screens)."""
-    from workflow import archive
-    from workflow.evidence import evidence_id, git_state
+    from evident.workflow import archive
+    from evident.workflow.evidence import evidence_id, git_state
 
     @functools.cache
     def own() -> Path | None:
@@ -387,7 +450,7 @@ def check_baseline(config: dict, own: Callable[[], Path | None]) -> list[tuple[s
     ref = config["bench"]["baseline"]
     if not ref:
         return []
-    from workflow import archive
+    from evident.workflow import archive
 
     home, own = archive.ROOT / config["campaign"], own()
     if own is not None and (own / MANIFEST).is_file():

@@ -23,8 +23,8 @@ from typing import Callable
 
 from safetensors import safe_open
 
-from engine.config import V4
-from workflow.evidence import read_json, sha256_file, write_json, write_text
+from evident.engine.config import V4
+from evident.workflow.evidence import read_json, sha256_file, write_json, write_text
 
 WEIGHT_SUFFIXES = (".safetensors",)
 REQUIRED = ("config.json",)

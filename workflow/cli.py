@@ -30,8 +30,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from workflow import archive, diff, pages, prune, trend, ui
-from workflow.terminal import age, fit, num, pct, ratio, size, table, wrap
+from evident.workflow import archive, diff, pages, prune, trend, ui
+from evident.workflow.terminal import age, fit, num, pct, ratio, size, table, wrap
 
 MISMATCH, ERROR = 1, 2
 ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
@@ -297,7 +297,7 @@ def configfiles(argv: list[str]) -> list[str]:
 
 def cmd_run(argv: list[str]) -> int:
     """Snakemake answers a campaign file it cannot decode with a traceback: check each first, then hand over."""
-    from workflow.campaign import CampaignFileError, read_campaign_file
+    from evident.workflow.campaign import CampaignFileError, read_campaign_file
 
     try:
         for path in configfiles(argv):

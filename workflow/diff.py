@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 
-from workflow import benchstats
-from workflow.archive import Evidence, as_dict
-from workflow.evidence import flatten
-from workflow.runs import cell_label, cell_prompts, is_http, label_key, run_name
+from evident.workflow import benchstats
+from evident.workflow.archive import Evidence, as_dict
+from evident.workflow.evidence import flatten
+from evident.workflow.runs import cell_label, cell_prompts, is_http, label_key, run_name
 
 IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
 """Config keys that differ between comparable runs by design: they do not limit a comparison."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import os
 import platform
 import subprocess
@@ -53,6 +54,15 @@ def describe(device: str) -> dict:
     else:
         env["cpu_count"] = os.cpu_count()
     return env
+
+
+def triton_missing() -> str | None:
+    """Why the engine's Triton paths cannot run here, or None. Triton has no macOS build (pyproject installs it on
+    Linux only)."""
+    if importlib.util.find_spec("triton") is None:
+        return (f"Triton is not installed here ({platform.system()} {platform.machine()}; it is built for Linux "
+                "only): use the torch path, or run this campaign on Linux")
+    return None
 
 
 def require_interpreter(what: str) -> None:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from engine.config import CSA, HASH_MOE, HCA, V4, ModelArgs, V4Args, args_from_hf
-from workflow import checkpoints, gsm8k
-from workflow.evidence import config_hash
+from evident.engine.config import CSA, HASH_MOE, HCA, V4, ModelArgs, V4Args, args_from_hf
+from evident.workflow import checkpoints, gsm8k
+from evident.workflow.evidence import config_hash
 
 ALLOW = "EVIDENT_ALLOW_LARGE"
 CACHE = Path(".evident/checkpoints")
@@ -166,7 +166,7 @@ def host_memory() -> int:
 
 def gpu_memory() -> int | None:
     """The smallest visible GPU's memory; None without nvidia-smi."""
-    from workflow import gpus
+    from evident.workflow import gpus
 
     return gpus.smallest_memory()
 
@@ -180,7 +180,7 @@ def free_disk(path: Path) -> int:
 
 def cache_dir(config: dict) -> Path:
     """The checkpoint cache directory of a synthetic, trained or hub campaign."""
-    from workflow import training
+    from evident.workflow import training
 
     spec = config["checkpoint"]
     keyed = {"checkpoint": spec, "dtype": config["dtype"], "device": config["device"]}
@@ -212,7 +212,7 @@ def size_problems(config: dict, model: dict | None) -> list[tuple[str, str]]:
     n = campaign_need(config, model)
     if n is None or os.environ.get(ALLOW):
         return []
-    from workflow import gpus
+    from evident.workflow import gpus
 
     device = config["device"]
     if device == "auto":

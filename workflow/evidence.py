@@ -160,7 +160,7 @@ def commit_history(code_dir: str | Path) -> list[str]:
 # patterns: `*` stays within a directory, `**/` is zero or more directories). A new kind of source file
 # must be added here, or editing it will not change the id.
 SOURCE_GLOBS = (
-    "Snakefile", "pyproject.toml", "Makefile",
+    "Snakefile", "pyproject.toml", "requirements.lock", "Makefile",
     "config/schema.yaml", "config/config.yaml",
     "engine/**/*.py", "kernels/**/*.py",
     "workflow/**/*.py", "workflow/**/*.smk", "workflow/**/*.yaml",  # *.yaml there: the Snakemake profiles

@@ -76,8 +76,8 @@ def layout(ckpt: Path, dtype: torch.dtype) -> Layout:
     """The Layout of the checkpoint's model in `dtype`. Router gates are fp32, as the engine keeps them."""
     import torch
 
-    from engine.config import V4, load_args
-    from engine.model import MoE, Transformer
+    from evident.engine.config import V4, load_args
+    from evident.engine.model import MoE, Transformer
 
     args = load_args(str(ckpt))
     if args.model_type == V4:
@@ -106,8 +106,8 @@ def v4_layout(args, dtype: torch.dtype) -> Layout:
     at 4 bytes, the rest in `dtype`; the cache by `cache_bytes` (module docstring)."""
     import torch
 
-    from engine.deepseek_v4 import V4Transformer
-    from engine.v4_checkpoint import FP32
+    from evident.engine.deepseek_v4 import V4Transformer
+    from evident.engine.v4_checkpoint import FP32
 
     with torch.device("meta"):
         model = V4Transformer(args)
@@ -132,7 +132,7 @@ def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int, scree
 
 def cache_bytes(args, positions: int, itemsize: int) -> int:
     """The cache one DeepSeek-V4 row reads in a decode step at `positions` (module docstring)."""
-    from engine.config import CSA, SLIDING
+    from evident.engine.config import CSA, SLIDING
 
     d, c, n = args.head_dim, args.index_head_dim, 0
     for i, kind in enumerate(args.layer_types):
@@ -152,7 +152,7 @@ def cache_bytes(args, positions: int, itemsize: int) -> int:
 
 def bandwidth(device: str) -> float:
     """The read bandwidth a floor on `device` is set at, bytes/s (kernels.hbm.read_bandwidth)."""
-    from kernels.hbm import read_bandwidth
+    from evident.kernels.hbm import read_bandwidth
 
     return read_bandwidth(device, BANDWIDTH_MIB if device.startswith("cuda") else CPU_BANDWIDTH_MIB)
 
@@ -162,7 +162,7 @@ def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, de
     """The floor of `steps` captured decode steps of `batch` rows after a `prompt_tokens` prefill, in `dtype` (a
     name), against their kernel time per step (None: not measured); `screened`: the steps picked through the
     vocabulary projection's screen (Layout.step)."""
-    from workflow.checkpoints import DTYPES
+    from evident.workflow.checkpoints import DTYPES
 
     parts = step_bytes(ckpt, DTYPES[dtype], batch, prompt_tokens + (steps + 1) // 2, screened)
     bw = bandwidth(device)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workflow import gsm8k, screens
-from workflow.verdicts import DEFECTS
+from evident.workflow import gsm8k, screens
+from evident.workflow.verdicts import DEFECTS
 
 
 @dataclass(frozen=True)

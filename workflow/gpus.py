@@ -4,7 +4,7 @@ Snakemake counts GPUs (`--resources gpu=N` caps the sum of the running jobs' `gp
 a cluster scheduler does (Slurm sets CUDA_VISIBLE_DEVICES for the `--gpus` of each job). A GPU rule runs
 its stage through this module:
 
-    python -m workflow.gpus N -- python -m workflow.stages.X ...
+    python -m evident.workflow.gpus N -- python -m evident.workflow.stages.X ...
 
 A local run's Snakemake process exports its device pool (`export_pool`, called by rules/common.smk):
 `EVIDENT_GPU_POOL=<ids>@<its host>:<its pid>`. A job that descends from that process takes N free devices
@@ -140,7 +140,7 @@ def acquire(n: int, devices: list[str], locks: Path = LOCKS, poll: float = 0.5) 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-        sys.exit("usage: python -m workflow.gpus N -- COMMAND [ARGS...]")
+        sys.exit("usage: python -m evident.workflow.gpus N -- COMMAND [ARGS...]")
     n, command = int(argv[0]), argv[2:]
     devices = assigned_pool()
     if n > 0 and devices is not None:

@@ -14,7 +14,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from workflow.evidence import sha256_bytes, sha256_file
+from evident.workflow.evidence import sha256_bytes, sha256_file
 
 OFFICIAL_SHA256 = {"test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
                    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"}
@@ -93,7 +93,7 @@ def load_split(cfg: dict, split: str, path: str | Path | None = None) -> tuple[l
         data, name = embedded_bytes(split), f"embedded-{split}.jsonl"
         pinned = EMBEDDED_SHA256[split]
     elif source == "generated":
-        from workflow import arithmetic
+        from evident.workflow import arithmetic
 
         rows = arithmetic.problems(cfg["seed"], split, GENERATED_ROWS[split])
         data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
@@ -205,7 +205,7 @@ def truncate(text: str, stops: list[str]) -> str:
 
 def score(items: list[dict], completions: list[str], match: str) -> tuple[list[dict], dict]:
     rows, totals = [], {"strict": [0, 0], "flexible": [0, 0]}
-    from workflow.evidence import text_sha256
+    from evident.workflow.evidence import text_sha256
 
     for it, text in zip(items, completions):
         ex = {"strict": extract_strict(text), "flexible": extract_flexible(text)}

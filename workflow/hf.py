@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import mtp_tensor
-from engine.config import load_args
-from workflow import checkpoints
+from evident.engine.checkpoint import mtp_tensor
+from evident.engine.config import load_args
+from evident.workflow import checkpoints
 
 
 def load(ckpt_dir: Path, dtype: str, device: str, **options):

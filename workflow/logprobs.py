@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workflow.verdicts import NEAR_TIE
+from evident.workflow.verdicts import NEAR_TIE
 
 # what the reference runs in, whatever the campaign's dtype: the truth the engine's log-probs are held to
 REFERENCE_DTYPE = "float32"

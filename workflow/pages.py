@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from workflow import archive, trend_page
-from workflow.evidence import MANIFEST, list_files, write_text
-from workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
+from evident.workflow import archive, trend_page
+from evident.workflow.evidence import MANIFEST, list_files, write_text
+from evident.workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
 
 
 # --- SUMMARY.md: the subset of markdown it is written in ------------------------------------

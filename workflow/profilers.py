@@ -3,7 +3,7 @@
 The workload is `engine.generate` on one fixed prompt copied to `batch` rows: its prefill under a range `prefill`,
 then `steps` greedy decode steps, each under `decode_step_<i>` (NVTX on CUDA, what ncu/nsys see; torch.profiler
 ranges everywhere), after one untimed warm-up generation. ncu and nsys run it in a subprocess,
-`python -m workflow.profilers worker`, and capture the CUDA profiler API range around the decode steps only;
+`python -m evident.workflow.profilers worker`, and capture the CUDA profiler API range around the decode steps only;
 torch.profiler runs it in process. Each driver returns the kernel table (`table`) and the step times.
 """
 
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from engine.generate import generate
-from engine.graph_decode import screened
-from workflow import privacy
-from workflow.evidence import read_config
+from evident.engine.generate import generate
+from evident.engine.graph_decode import screened
+from evident.workflow import privacy
+from evident.workflow.evidence import read_config
 
 TOOL_TIMEOUT_S = 540
 UNITS_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
@@ -87,8 +87,8 @@ def decode_steps(model, prompt_ids: list[int], batch: int, steps: int, cuda: boo
 @contextlib.contextmanager
 def session(ckpt: Path, evidence: Path):
     """The engine session to capture (bench.kernels' decode path), its kernels launched the ordinary way (LAUNCH)."""
-    from kernels import pdl
-    from workflow.session import open_session
+    from evident.kernels import pdl
+    from evident.workflow.session import open_session
 
     config = read_config(evidence / "config.yaml")
     with pdl.disabled(), open_session(ckpt, evidence, "single", config.get("bench", {}).get("kernels", "torch")) as s:
@@ -131,7 +131,7 @@ def choose(requested: str, cuda: bool) -> tuple[list[str], dict[str, str]]:
 
 
 def worker_cmd(ckpt: Path, evidence: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "workflow.profilers", "worker", "--checkpoint", str(ckpt.resolve()),
+    return [sys.executable, "-m", "evident.workflow.profilers", "worker", "--checkpoint", str(ckpt.resolve()),
             "--evidence", str(evidence.resolve()), "--out", str(out)]
 
 
@@ -149,7 +149,7 @@ def _run(cmd: list[str], log: Path) -> None:
         f.write(("$ " + _shown(cmd) + "\n").encode())
         f.flush()
         p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=TOOL_TIMEOUT_S,
-                           cwd=Path(__file__).resolve().parents[1])  # the repository: `-m workflow...` resolves
+                           cwd=Path(__file__).resolve().parents[1])  # the repository: `-m evident.workflow...` resolves
     if p.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"{Path(cmd[0]).name} exited with {p.returncode}: " + " | ".join(tail))
@@ -215,7 +215,7 @@ def capture_ncu(ckpt: Path, evidence: Path, tmp: Path, log: Path) -> dict:
     return {"kernels": table(launches), "launches": len(launches), **steps,
             "share_basis": "sum of every kernel's GPU time in the captured decode steps (ncu serialises kernels)",
             "command": "ncu --clock-control none --profile-from-start off --target-processes all --nvtx "
-                       "--metrics gpu__time_duration.sum -o <report> python -m workflow.profilers worker ...",
+                       "--metrics gpu__time_duration.sum -o <report> python -m evident.workflow.profilers worker ...",
             "time_metric": "gpu__time_duration.sum"}
 
 

@@ -3,21 +3,16 @@ marking its MLflow runs deleted. Plain data in and out; printing is the CLI's bu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as _dt
-import fcntl
 import re
 import shutil
 import time
 from pathlib import Path
 
-from workflow import tracking
-from workflow.archive import ROOT, TRACKING_RECORDS, Evidence, evidence_dirs, label, load
-
-LOCKS = Path(".evident/locks")
-"""Where a running snakemake holds an flock on `<campaign>/<id>.lock` while it writes that directory
-(workflow/rules/common.smk, `hold_evidence_lock`); the kernel drops it when the process ends."""
+from evident.workflow import tracking
+from evident.workflow.archive import ROOT, TRACKING_RECORDS, Evidence, evidence_dirs, label, load
+from evident.workflow.locks import LOCKS, Held, holding  # a running snakemake's, on the directory it writes
 
 AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -45,35 +40,9 @@ def age_of(ev: Evidence, now: float) -> float:
     return now - ev.path.stat().st_mtime
 
 
-class Held(Exception):
-    """An evidence directory's lock is held: a running snakemake is writing it."""
-
-
 def lock_of(path: Path, root: str | Path = ROOT) -> Path:
     """The lock of `root/<campaign>/<id>/`, in the archive's working directory (beside `evidence/`)."""
     return Path(root).parent / LOCKS / path.parent.name / f"{path.name}.lock"
-
-
-@contextlib.contextmanager
-def holding(lock: Path, create: bool = True):
-    """Hold `lock` (a non-blocking exclusive flock, the pipeline's own): a snakemake that starts meanwhile is
-    refused. Raises Held, naming the holder (`pid N`, what the pipeline writes there), when it is taken.
-    `create` False writes nothing: a missing lock file means that nobody holds it."""
-    if not create and not lock.is_file():
-        yield
-        return
-    if create:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a+" if create else "r") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise Held(f.read().strip() or "pid unknown") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def size_of(path: Path) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workflow.verdicts import NEAR_TIE  # a batch's row against the row alone may pick differently under it
+from evident.workflow.verdicts import NEAR_TIE  # a batch's row against the row alone may pick differently under it
 
 AS_ALONE, NEAR_TIES, MISMATCH = "rows_as_alone", "near_tie_differences", "row_mismatch"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from workflow.evidence import sha256_bytes
+from evident.workflow.evidence import sha256_bytes
 
 SCHEMA = Path(__file__).resolve().parents[1] / "config/schema.yaml"
 _PROPERTIES = yaml.safe_load(SCHEMA.read_text())["properties"]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 BUILTIN = "c4"  # the built-in screen: DeepSeek-V4's C4 auxiliary GEMVs (or the shapes the campaign states)
-BUILTIN_FACTORY = "kernels.overlap:c4_screen"
+BUILTIN_FACTORY = "evident.kernels.overlap:c4_screen"
 # every screen's verdict and the stage's: the overlap gate's file, written when the campaign has screens of its own
 # (without, the built-in's screen.json is the stage's document, as it was before there were other screens)
 INDEX = "overlap/screens.json"
@@ -100,7 +100,9 @@ def source_sha256(ref: str) -> str | None:
         load(ref)
     except FactoryError:
         return None
-    top = sys.modules[ref.partition(":")[0].split(".")[0]]
+    parts = ref.partition(":")[0].split(".")
+    # this project's own modules live one level down, in the `evident` namespace (evident.kernels, ...)
+    top = sys.modules[".".join(parts[:2] if parts[0] == "evident" else parts[:1])]
     if getattr(top, "__path__", None):
         root = Path(list(top.__path__)[0])
         paths = sorted(root.rglob("*.py"))

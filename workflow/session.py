@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.checkpoint import enable_decode_path, eos_ids, load_model
-from engine.parallel import init_from_env
-from workflow import checkpoints, environment, hf
-from workflow.evidence import Stage, read_config, read_json, stage_args
-from workflow.runs import BACKENDS, HF_PATHS, KERNELS, run_name
+from evident.engine.checkpoint import enable_decode_path, eos_ids, load_model
+from evident.engine.parallel import init_from_env
+from evident.workflow import checkpoints, environment, hf
+from evident.workflow.evidence import Stage, read_config, read_json, stage_args
+from evident.workflow.runs import BACKENDS, HF_PATHS, KERNELS, run_name
 
 
 def is_primary() -> bool:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow import checkpoints, floor, gsm8k, screens
-from workflow.evidence import read_config, read_json
-from workflow.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
-from workflow.traces import markdown
-from workflow.verdicts import worst
+from evident.workflow import checkpoints, floor, gsm8k, screens
+from evident.workflow.evidence import read_config, read_json
+from evident.workflow.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
+from evident.workflow.traces import markdown
+from evident.workflow.verdicts import worst
 
 
 def _divergence(d: dict) -> str:
@@ -232,7 +232,7 @@ def bench_section(root: Path, frames=None, config: dict | None = None) -> list[s
     frames = frames or bench_frames(root)
     if frames is None:
         return []
-    from workflow.benchstats import markdown_table
+    from evident.workflow.benchstats import markdown_table
 
     cfg = (config or read_config(root / "config.yaml"))["bench"]
     frame = frames[0]  # the HTTP rows: http_section
@@ -265,7 +265,7 @@ def bench_frames(root: Path):
         return None
     import pandas as pd
 
-    from workflow.benchstats import by_transport
+    from evident.workflow.benchstats import by_transport
 
     inproc, http = by_transport(pd.read_csv(root / "bench/summary.csv"))
     return inproc, (http if len(http) else None)
@@ -278,7 +278,7 @@ def _ms(r, metric: str) -> str:
 def http_section(root: Path, frames=None, config: dict | None = None) -> list[str]:
     """The benchmark over HTTP: each cell's percentiles, then the builtin engine over HTTP beside it in process;
     `frames` and `config` as bench_section takes them."""
-    from workflow.benchstats import known
+    from evident.workflow.benchstats import known
 
     frames = frames or bench_frames(root)
     rows = frames and frames[1]

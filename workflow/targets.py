@@ -12,7 +12,7 @@ Templates are split into words first (shlex), then each word's placeholders are 
 interpreter), `{checkpoint}`, `{dtype}` (the target's), `{device}`, and `{port}` (serve) or `{request}` `{out}`
 (command); a filled path with spaces stays one word. This module owns checking a target before any work
 (`problems`), which targets the HTTP benchmark runs (`bench_targets`: `engine`, the builtin engine through
-`python -m engine.serve`, and `openai` entries), the server lifecycle (`served`, `engine_server`, `endpoint`), the
+`python -m evident.engine.serve`, and `openai` entries), the server lifecycle (`served`, `engine_server`, `endpoint`), the
 completions client (`Client`, streaming too), what a server offers (`offers`) and the command runner
 (`run_command`). It imports neither torch nor the engine: the campaign check uses it.
 """
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
-from workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
+from evident.workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = "engine"  # the builtin engine through its own server, as the quality and HTTP bench stages name it
@@ -293,11 +293,11 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
 @contextlib.contextmanager
 def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = REPO, env: dict | None = None,
                   kernels: str = "torch", args: tuple[str, ...] = ()):
-    """`python -m engine.serve` of the engine package under `code` (run from there, so that it is the one imported)
+    """`python -m evident.engine.serve` of the engine package under `code` (run from there, so that it is the one imported)
     on a free port of 127.0.0.1, with the decode path `kernels` and any further `args` of its own: yields (base URL,
     seconds to ready); always stopped."""
     port = free_port()
-    argv = [sys.executable, "-m", "engine.serve", "--checkpoint", str(Path(ckpt).resolve()), "--device", device,
+    argv = [sys.executable, "-m", "evident.engine.serve", "--checkpoint", str(Path(ckpt).resolve()), "--device", device,
             "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--model-id", "evident-engine",
             "--kernels", kernels, *args]
     with served(argv, port, log, "the engine server", cwd=code, env=env) as out:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflow.evidence import text_sha256, token_sha256
+from evident.workflow.evidence import text_sha256, token_sha256
 
 
 def token_row(tok, ids: list[int]) -> dict:

@@ -50,8 +50,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from workflow import gates, runs
-from workflow.evidence import MANIFEST, flatten, read_config, read_json, stage_records
+from evident.workflow import gates, runs
+from evident.workflow.evidence import MANIFEST, flatten, read_config, read_json, stage_records
 
 PARENT_FILES = ("SUMMARY.md", "config.yaml", "env.json", "checkpoint.json")
 PLOTS = "plots/*.png"  # beside SUMMARY.md, at the relative path its image links name

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from workflow import arithmetic, checkpoints
-from workflow.evidence import write_json
+from evident.workflow import arithmetic, checkpoints
+from evident.workflow.evidence import write_json
 
 PROGRESS_SECONDS = 5.0
 # The trainer's numerics, in a trained checkpoint's cache key (estimate.cache_dir): a change that trains other weights
@@ -96,6 +96,15 @@ def lr_at(step: int, spec: dict) -> float:
     return spec["lr"] * warm * 0.5 * (1 + math.cos(math.pi * step / spec["steps"]))
 
 
+def progress_line(done: int, steps: int, loss: float, elapsed: float) -> str:
+    """A line of training progress: the time left is the mean step so far times the steps left."""
+    line = f"step {done}/{steps}: loss {loss:.4f}, {elapsed:.0f}s"
+    if done < steps:
+        m, s = divmod(round(elapsed / done * (steps - done)), 60)
+        line += f", about {f'{m}m{s:02d}s' if m else f'{s}s'} left"
+    return line
+
+
 def train(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtype: str, spec: dict,
           device: str = "cpu", progress: Callable[[str], None] | None = None) -> Path:
     """Train `spec["steps"]` steps from the synthetic init of `seed` and write the checkpoint to out_dir."""
@@ -133,7 +142,7 @@ def train(out_dir: str | Path, hf_config: dict, seed: int, init_std: float, dtyp
         losses.append(loss.item())
         if time.monotonic() - last >= PROGRESS_SECONDS or step + 1 == spec["steps"]:
             last = time.monotonic()
-            say(f"step {step + 1}/{spec['steps']}: loss {losses[-1]:.4f}, {last - t0:.0f}s")
+            say(progress_line(step + 1, spec["steps"], losses[-1], last - t0))
     out.mkdir(parents=True, exist_ok=True)
     tail = losses[-max(1, len(losses) // 10):]
     state = checkpoints.saved_state(model, checkpoints.family(hf_config), bool(cfg.get("tie_word_embeddings")))

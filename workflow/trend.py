@@ -35,12 +35,12 @@ import math
 import sys
 from pathlib import Path
 
-from workflow import archive, benchstats, diff
-from workflow.evidence import commit_history, write_text
-from workflow.gates import GATES
-from workflow.runs import is_http, label_key
-from workflow.terminal import pct, split_table, table, wrap
-from workflow.trend_plot import plot
+from evident.workflow import archive, benchstats, diff
+from evident.workflow.evidence import commit_history, write_text
+from evident.workflow.gates import GATES
+from evident.workflow.runs import is_http, label_key
+from evident.workflow.terminal import pct, split_table, table, wrap
+from evident.workflow.trend_plot import plot
 
 TPOT, TOK_S = "tpot_p50_ms", "tok_s"
 METRICS = {TPOT: "steady TPOT p50 (ms)", TOK_S: "decode throughput (tokens/s)"}
@@ -325,7 +325,7 @@ def cmd_trend(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workflow.trend [--root R] trend [options]`: the subcommand as `evident` parses it, on its own."""
+    """`python -m evident.workflow.trend [--root R] trend [options]`: the subcommand as `evident` parses it, on its own."""
     ap = argparse.ArgumentParser(prog="evident")
     ap.add_argument("--root", type=Path, default=archive.ROOT, help="the evidence archive (default: evidence/)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflow import archive, trend
-from workflow.evidence import write_text
-from workflow.gates import GATES
-from workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
-from workflow.runs import label_key
-from workflow.terminal import pct
+from evident.workflow import archive, trend
+from evident.workflow.evidence import write_text
+from evident.workflow.gates import GATES
+from evident.workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
+from evident.workflow.runs import label_key
+from evident.workflow.terminal import pct
 
 
 def trends_page_of(root: Path, campaign: str) -> Path:

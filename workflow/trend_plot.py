@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from workflow.evidence import write_bytes
-from workflow.gates import GATES
-from workflow.runs import label_key
+from evident.workflow.evidence import write_bytes
+from evident.workflow.gates import GATES
+from evident.workflow.runs import label_key
 
 
 def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,9 @@ def store(uri: str | None) -> str:
 def ui_requirements() -> list[str]:
     """The `ui` extra's requirements, as this installed project declares them (pyproject.toml)."""
     reqs = [Requirement(r) for r in importlib.metadata.requires("evident") or []]
-    return [str(r).split(";")[0].strip() for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "ui"})]
+    # a requirement of the extra holds with extra "ui" and not without it (a platform marker holds with either)
+    return [str(r).split(";")[0].strip() for r in reqs
+            if r.marker is not None and r.marker.evaluate({"extra": "ui"}) and not r.marker.evaluate({"extra": ""})]
 
 
 def has_server() -> bool:
@@ -51,14 +54,14 @@ def command(uri: str, port: int) -> list[str]:
 
 
 def cmd_ui(args) -> int:
-    from workflow import pages
+    from evident.workflow import pages
 
     uri = store(args.tracking_uri)
     if uri.startswith(("http://", "https://")):
         print(f"evident ui: the store is a tracking server, whose UI is already there: {uri}")
         return 0
     if not has_server() and install() != 0:
-        print("evident ui: could not install the MLflow UI; try: pip install " + " ".join(ui_requirements()),
+        print("evident ui: could not install the MLflow UI; try: pip install " + shlex.join(ui_requirements()),
               file=sys.stderr)
         return 1
     url = f"http://{HOST}:{args.port}"

@@ -12,9 +12,9 @@ import yaml
 
 import tinyev
 from campaigns import overridden, rejected
-from workflow import checkpoints
-from workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
-from workflow.cli import configfiles
+from evident.workflow import checkpoints
+from evident.workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
+from evident.workflow.cli import configfiles
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = str(REPO / "config/schema.yaml")

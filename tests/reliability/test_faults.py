@@ -19,9 +19,9 @@ import yaml
 import cluster
 import handbuilt
 import tinyev
-from workflow import archive
-from workflow.evidence import MANIFEST, read_json
-from workflow.targets import free_port  # below the OS's ephemeral range, each port once
+from evident.workflow import archive
+from evident.workflow.evidence import MANIFEST, read_json
+from evident.workflow.targets import free_port  # below the OS's ephemeral range, each port once
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -287,7 +287,7 @@ def test_concurrent_writers_of_one_sqlite_store(tmp_path):
     n = 4
     dirs = [handbuilt.build(tmp_path / "evidence", "stress", f"aaaaaaa-c{i:08d}-r1", plot=False) for i in range(n)]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code = ("import sys; from workflow import tracking; ids = tracking.log_evidence(sys.argv[1], sys.argv[2]); "
+    code = ("import sys; from evident.workflow import tracking; ids = tracking.log_evidence(sys.argv[1], sys.argv[2]); "
             "tracking.finish(sys.argv[1], ids, sys.argv[2])")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(d), uri], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for d in dirs]

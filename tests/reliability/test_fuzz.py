@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from snakemake.exceptions import WorkflowError
 
 import handbuilt
-from workflow import archive, cli, diff
-from workflow.campaign import evidence_config, validate_campaign
+from evident.workflow import archive, cli, diff
+from evident.workflow.campaign import evidence_config, validate_campaign
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = str(REPO / "config/schema.yaml")

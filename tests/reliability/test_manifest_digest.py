@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 import handbuilt
-from workflow import archive, cli
-from workflow.evidence import DIGEST, MANIFEST, manifest_digest, sha256_file
+from evident.workflow import archive, cli
+from evident.workflow.evidence import DIGEST, MANIFEST, manifest_digest, sha256_file
 
 
 @pytest.fixture

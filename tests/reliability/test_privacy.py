@@ -7,9 +7,9 @@ import json
 import pytest
 
 import handbuilt
-from workflow import privacy
-from workflow.evidence import MANIFEST
-from workflow.stages import seal
+from evident.workflow import privacy
+from evident.workflow.evidence import MANIFEST
+from evident.workflow.stages import seal
 
 TOKEN = "hf_" + "aB3dE5gH7jK9mN1pQ3sT5vW7yZ9bC1dF"
 PLANTS = {

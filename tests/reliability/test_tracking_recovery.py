@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import handbuilt
-from workflow import tracking
+from evident.workflow import tracking
 
 
 def test_stale_running_parents_are_reused_or_marked_failed(tmp_path, monkeypatch):

@@ -55,4 +55,4 @@ rule archive:
     benchmark:
         f"{SEAL_LOGS}/archive.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.archive --out {output} {params.tracking} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.archive --out {output} {params.tracking} 2>&1 | tee {log}"

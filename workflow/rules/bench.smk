@@ -27,5 +27,5 @@ rule bench:
     benchmark:
         f"{E}/logs/bench-{{backend}}.benchmark.tsv"
     shell:
-        "{params.launch} -m workflow.stages.bench --checkpoint {input.ckpt} --evidence {params.ev} "
+        "{params.launch} -m evident.workflow.stages.bench --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"

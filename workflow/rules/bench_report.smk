@@ -18,4 +18,4 @@ rule bench_report:
     benchmark:
         f"{E}/logs/bench_report.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.bench_report --evidence {params.ev} {params.baseline} {input.cells} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.bench_report --evidence {params.ev} {params.baseline} {input.cells} 2>&1 | tee {log}"

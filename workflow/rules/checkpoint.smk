@@ -18,7 +18,7 @@ if config["checkpoint"]["source"] != "local":
         benchmark:
             f"{CKPT}.benchmark.tsv"
         shell:
-            "{params.py} -m workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --device {params.device} --out {output} 2>&1 | tee {log}"
+            "{params.py} -m evident.workflow.stages.checkpoint fetch --spec-json {params.spec:q} --dtype {params.dtype} --device {params.device} --out {output} 2>&1 | tee {log}"
 
 
 rule record_checkpoint:
@@ -37,4 +37,4 @@ rule record_checkpoint:
     benchmark:
         f"{E}/logs/checkpoint.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -4,11 +4,14 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
-from workflow import gpus, gsm8k, runs, screens, targets
-from workflow.campaign import evidence_config
-from workflow.estimate import checkpoint_dir
-from workflow.evidence import evidence_id, git_state
+from snakemake.exceptions import WorkflowError
+
+from evident.workflow import gpus, gsm8k, locks, runs, screens, targets
+from evident.workflow.campaign import evidence_config
+from evident.workflow.estimate import checkpoint_dir
+from evident.workflow.evidence import evidence_id, git_state
 
 # The stages run in the interpreter that runs Snakemake, named in their commands by a variable every job's shell sets
 # (Snakemake's default prefix, then it), not by its path: Snakemake reruns a job whose params changed, and the same
@@ -22,61 +25,26 @@ E = f"evidence/{config['campaign']}/{EID}"
 SEALED = os.path.exists(f"{E}/MANIFEST.json")
 
 
-def hold_evidence_lock(path):
-    """Two invocations writing one evidence directory: the second is refused here, naming the first. Snakemake's
-    own lock covers a running DAG's files only (a second run is first told to `--rerun-incomplete` the running
-    job's outputs); this flock is held by the running snakemake process and released by the kernel when it
-    ends, however it ends."""
-    import fcntl
-
-    from snakemake.exceptions import WorkflowError
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        raise WorkflowError(f"evidence directory {E} is being written by another snakemake run "
-                            f"({f.read().strip() or 'pid unknown'}) in this working directory; wait for it to end "
-                            "and run again (its lock goes when its process does)")
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def clear_stale_snakemake_locks(path=".evident/locks/workdir.lock"):
-    """Snakemake's own lock files outlive a SIGKILLed run, and the next run would be told to `--unlock`.
-
-    Every run of this workflow holds a shared flock on one file per working directory for its whole life;
-    whoever gets it exclusively is alone, so any Snakemake lock left in `.snakemake/locks` is stale and goes.
-    The flock is then downgraded to shared (the kernel drops it when the process ends, however it ends)."""
-    import fcntl
-    import glob
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pass  # another run is live: its locks are real
-    else:
-        stale = glob.glob(".snakemake/locks/*.lock")
-        for lock in stale:
-            os.remove(lock)
-        if stale:
-            print(f"evident: removed {len(stale)} stale Snakemake lock file(s) left by a run that was killed",
-                  file=sys.stderr)
-    fcntl.flock(f, fcntl.LOCK_SH)
-    return f
-
-
+# Two invocations writing one evidence directory: the second is refused here, naming the first. Snakemake's own lock
+# covers a running DAG's files only (a second run is first told to `--rerun-incomplete` the running job's outputs), and
+# its refusal advises `--unlock`: while another run is live, that refusal names the run instead. The locks, their
+# files (gone with the run, refused or not) and the stale Snakemake locks a killed run leaves: workflow/locks.py.
 if not workflow.dryrun and workflow.is_main_process:
-    WORKDIR_LOCK = clear_stale_snakemake_locks()
-if not SEALED and not workflow.dryrun and workflow.is_main_process:
-    EVIDENCE_LOCK = hold_evidence_lock(f".evident/locks/{config['campaign']}/{EID}.lock")
+    WORKDIR_LOCK, _stale = locks.share_workdir()
+    if _stale:
+        print(f"evident: removed {_stale} stale Snakemake lock file(s) left by a run that was killed", file=sys.stderr)
+    _mine = None if SEALED else Path(f".evident/locks/{config['campaign']}/{EID}.lock")
+    if _stale is None:  # another run is live: its locks are real
+        locks.name_live_runs(_mine)
+    if _mine is not None:
+        _files = [str(p) for p in workflow.overwrite_configfiles or []] or [f"{workflow.basedir}/config/config.yaml"]
+        try:
+            EVIDENCE_LOCK = locks.hold(_mine, locks.describe(config["campaign"], EID, _files))
+        except locks.Held as h:
+            raise WorkflowError(f"evidence directory {E} is being written by another snakemake run ({h}) in this "
+                                "working directory; wait for it to end and run again (its lock goes when its process "
+                                "does)")
+
 GATE = f".evident/gates/{config['campaign']}/{EID}.json"
 SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
 CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
@@ -121,7 +89,7 @@ def evidence_dir(wildcards):
 # `cpus_per_task` (= its threads), `mem_mb`, `runtime` (minutes). The local scheduler caps running jobs by
 # them (`--cores`, `--resources gpu=N`); the Slurm executor turns them into sbatch/srun --gpus, --cpus-per-task,
 # --mem and --time. Locally Snakemake does not say which GPU a job gets: a GPU job's stage runs through
-# `python -m workflow.gpus N --`, which hands it N devices of its own (workflow/gpus.py); under Slurm,
+# `python -m evident.workflow.gpus N --`, which hands it N devices of its own (workflow/gpus.py); under Slurm,
 # Slurm chose them and that wrapper changes nothing.
 RES = config["resources"]
 SCHEDULE = "EVIDENT_SCHEDULE"
@@ -174,7 +142,7 @@ def on_gpus(n):
     Triton kernels through Triton's interpreter, whose switch must be set before Python starts."""
     if not USES_GPU:
         return f"TRITON_INTERPRET=1 {PY}"
-    return f"{PY} -m workflow.gpus {n} -- {PY}" if n else PY
+    return f"{PY} -m evident.workflow.gpus {n} -- {PY}" if n else PY
 
 
 def job_resources(gpu=0):

@@ -15,4 +15,4 @@ rule compare:
     benchmark:
         f"{E}/logs/compare.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.compare --evidence {params.ev} {input.runs} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.compare --evidence {params.ev} {input.runs} 2>&1 | tee {log}"

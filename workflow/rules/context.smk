@@ -16,4 +16,4 @@ rule context:
     benchmark:
         f"{E}/logs/context.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.context --evidence {params.ev} --config-json {params.config:q} 2>&1 | tee {log}"

@@ -21,4 +21,4 @@ rule gate:
     benchmark:
         f"{SEAL_LOGS}/gate.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.gate --evidence {params.ev} --out {output} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.gate --evidence {params.ev} --out {output} 2>&1 | tee {log}"

@@ -18,4 +18,4 @@ rule kernel_audit:
     benchmark:
         f"{E}/logs/kernel_audit.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.kernel_audit --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.kernel_audit --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

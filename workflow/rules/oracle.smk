@@ -17,4 +17,4 @@ rule oracle:
     benchmark:
         f"{E}/logs/oracle.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.oracle --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.oracle --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -1,4 +1,4 @@
-from engine.config import V4
+from evident.engine.config import V4
 
 # Overlap A/B screens: the built-in one (split GEMVs on the main stream vs the fused GEMV on a side stream beside a
 # GEMM) and the campaign's own (`screens:`). Bitwise on fresh inputs everywhere (the Triton interpreter on the CPU);
@@ -29,4 +29,4 @@ rule overlap:
     benchmark:
         f"{E}/logs/overlap.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.overlap {params.weights} --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.overlap {params.weights} --evidence {params.ev} 2>&1 | tee {log}"

@@ -24,7 +24,7 @@ rule parity:
     benchmark:
         f"{E}/logs/parity-{{backend}}{{kernels}}.benchmark.tsv"
     shell:
-        "{params.launch} -m workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
+        "{params.launch} -m evident.workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 
@@ -53,5 +53,5 @@ rule parity_target:
     benchmark:
         f"{E}/logs/parity-{{target}}.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.parity_target --checkpoint {input.ckpt} --evidence {params.ev} "
+        "{params.py} -m evident.workflow.stages.parity_target --checkpoint {input.ckpt} --evidence {params.ev} "
         "--spec {params.spec} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"

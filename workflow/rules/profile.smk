@@ -23,4 +23,4 @@ rule profile:
     benchmark:
         f"{E}/logs/profile.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.profile --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.profile --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

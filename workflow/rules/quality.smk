@@ -24,4 +24,4 @@ rule quality:
     benchmark:
         f"{E}/logs/quality.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.quality --checkpoint {input.ckpt} --evidence {params.ev} {params.args} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.quality --checkpoint {input.ckpt} --evidence {params.ev} {params.args} 2>&1 | tee {log}"

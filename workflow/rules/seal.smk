@@ -37,4 +37,4 @@ rule seal:
     benchmark:
         f"{SEAL_LOGS}/seal.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.seal --evidence {params.ev} --commit '{params.commit}' --dirty '{params.dirty}' {params.tracking} {params.no_tracking} 2>&1 | tee {log}"
+        "{params.py} -m evident.workflow.stages.seal --evidence {params.ev} --commit '{params.commit}' --dirty '{params.dirty}' {params.tracking} {params.no_tracking} 2>&1 | tee {log}"

@@ -24,5 +24,5 @@ rule serve_bench:
     benchmark:
         f"{E}/logs/serve_bench-{{target}}.benchmark.tsv"
     shell:
-        "{params.py} -m workflow.stages.serve_bench --checkpoint {input.ckpt} --evidence {params.ev} "
+        "{params.py} -m evident.workflow.stages.serve_bench --checkpoint {input.ckpt} --evidence {params.ev} "
         "--spec {params.spec} 2>&1 | tee {log}"

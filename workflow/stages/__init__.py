@@ -1,1 +1,1 @@
-"""One module per pipeline stage; each is a CLI (`python -m workflow.stages.<stage>`) with a `main()`."""
+"""One module per pipeline stage; each is a CLI (`python -m evident.workflow.stages.<stage>`) with a `main()`."""

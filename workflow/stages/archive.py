@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from workflow import archive, pages
+from evident.workflow import archive, pages
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from engine import graph_decode
-from engine.checkpoint import CheckpointError
-from engine.generate import Generation, generate
-from workflow import floor, logprobs, replay
-from workflow.benchstats import BenchError, measured_with, summarize_cell
-from workflow.checkpoints import DTYPES, CheckpointInvalid
-from workflow.evidence import read_json
-from workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts, prompt_keys, prompt_texts
-from workflow.session import Session, engine_args, engine_stage
+from evident.engine import graph_decode
+from evident.engine.checkpoint import CheckpointError
+from evident.engine.generate import Generation, generate
+from evident.workflow import floor, logprobs, replay
+from evident.workflow.benchstats import BenchError, measured_with, summarize_cell
+from evident.workflow.checkpoints import DTYPES, CheckpointInvalid
+from evident.workflow.evidence import read_json
+from evident.workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts, prompt_keys, prompt_texts
+from evident.workflow.session import Session, engine_args, engine_stage
 
 
 class Marks:

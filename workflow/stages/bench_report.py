@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from workflow import archive, benchstats
-from workflow.evidence import Stage, read_json, write_text
-from workflow.runs import bench_cell, cell_label, cell_prompts, is_http, label
-from workflow.targets import ENGINE
+from evident.workflow import archive, benchstats
+from evident.workflow.evidence import Stage, read_json, write_text
+from evident.workflow.runs import bench_cell, cell_label, cell_prompts, is_http, label
+from evident.workflow.targets import ENGINE
 
 SERVED = "single"  # the engine's backend engine.serve serves: the in-process cells its HTTP cells stand beside
 

@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.checkpoint import CheckpointError, mtp_tensors
-from engine.config import V4
-from workflow import checkpoints, environment, estimate, training
-from workflow.evidence import Stage, read_config, read_json
+from evident.engine.checkpoint import CheckpointError, mtp_tensors
+from evident.engine.config import V4
+from evident.workflow import checkpoints, environment, estimate, training
+from evident.workflow.evidence import Stage, read_config, read_json
 
 
 def say(line: str) -> None:

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from workflow import gates, logprobs, replay
-from workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
-from workflow.logprobs import REFERENCE_DTYPE
-from workflow.runs import EP_BACKENDS, label as run_label
-from workflow.traces import first_difference, token_at
-from workflow.verdicts import SEVERITY, worst as worst_verdict
+from evident.workflow import gates, logprobs, replay
+from evident.workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
+from evident.workflow.logprobs import REFERENCE_DTYPE
+from evident.workflow.runs import EP_BACKENDS, label as run_label
+from evident.workflow.traces import first_difference, token_at
+from evident.workflow.verdicts import SEVERITY, worst as worst_verdict
 
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
 # The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from workflow import environment
-from workflow.evidence import Stage, write_text
+from evident.workflow import environment
+from evident.workflow.evidence import Stage, write_text
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json
-from workflow.gates import GATES, PARITY, document
-from workflow.runs import STAGES
+from evident.workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json
+from evident.workflow.gates import GATES, PARITY, document
+from evident.workflow.runs import STAGES
 
 
 def failure(gate, doc: dict, path: str) -> str | None:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.config import V4, load_args
-from workflow import environment
-from workflow.gates import BY_NAME
-from workflow.evidence import Stage, read_config, stage_args
+from evident.engine.config import V4, load_args
+from evident.workflow import environment
+from evident.workflow.gates import BY_NAME
+from evident.workflow.evidence import Stage, read_config, stage_args
 
 AUDIT_GATE = BY_NAME["audit"]
 AUDIT = AUDIT_GATE.file
@@ -68,7 +68,7 @@ def v4_shapes(ckpt_dir: Path) -> tuple[list[int], int, tuple[int, int, int, int]
 def not_covered(ckpt_dir: Path) -> dict:
     """kernels.audit's NOT_COVERED, and V4_NOT_COVERED for a DeepSeek-V4 model (with the hyper-connection weights
     where the audit does not compile their kernel)."""
-    from kernels.audit import COVERED, NOT_COVERED
+    from evident.kernels.audit import COVERED, NOT_COVERED
 
     if json.loads((ckpt_dir / "config.json").read_text()).get("model_type") != V4:
         return dict(NOT_COVERED)
@@ -81,7 +81,7 @@ def v4_options(ckpt_dir: Path) -> dict:
     hyper-connection weights kernel's shape (`hc`: hc_mult, hc_sinkhorn_iters)."""
     import inspect
 
-    from kernels.audit import audit
+    from evident.kernels.audit import audit
 
     a, takes = load_args(ckpt_dir), inspect.signature(audit).parameters
     options = {"limit": float(a.swiglu_limit), "hc": (a.hc_mult, a.hc_sinkhorn_iters)}
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     hidden = load_args(args.checkpoint).hidden_size  # the engine's reading: transformers' default where absent
     with Stage(args.evidence, "kernel_audit", params={"device": device, "k": ks, "vocab": vocab, "hidden": hidden}) \
             as st:
-        from kernels.audit import COVERED, audit
+        from evident.kernels.audit import COVERED, audit
 
         missing = not_covered(args.checkpoint)
 

@@ -18,9 +18,9 @@ import sys
 
 import torch
 
-from workflow import checkpoints, environment, hf, logprobs
-from workflow.logprobs import REFERENCE_DTYPE
-from workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
+from evident.workflow import checkpoints, environment, hf, logprobs
+from evident.workflow.logprobs import REFERENCE_DTYPE
+from evident.workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
 
 
 def reference_device(model, device: str) -> tuple[str, str]:

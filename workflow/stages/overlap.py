@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import V4
-from kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, ScreenError, bitwise,
+from evident.engine.config import V4
+from evident.kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, ScreenError, bitwise,
                              c4_screen, checked, layout, samples, timing)
-from workflow import benchstats, checkpoints, screens
-from workflow.environment import require_interpreter, resolve_device
-from workflow.evidence import Stage, read_config, write_bytes, write_text
+from evident.workflow import benchstats, checkpoints, screens
+from evident.workflow.environment import require_interpreter, resolve_device
+from evident.workflow.evidence import Stage, read_config, write_bytes, write_text
 
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
 NO_TIMING = "no CUDA device: the Triton interpreter ran the bitwise part; timing needs a GPU"
@@ -187,7 +187,7 @@ def _kernels(device: str):
     """The kernels, once the device is known (on a CPU through the interpreter)."""
     if device == "cpu":
         require_interpreter("the overlap screen")
-    import kernels.gemv as gemv
+    import evident.kernels.gemv as gemv
 
     return gemv
 
@@ -200,7 +200,7 @@ def model_shapes(model: dict) -> dict | None:
     read as the engine reads it (engine.config.V4Args: transformers' defaults for absent fields, the layer schedule
     derived): None when none of its layers is a C4 (compressed sparse attention) layer."""
     if model.get("model_type") == V4:
-        from engine.config import CSA, args_from_hf
+        from evident.engine.config import CSA, args_from_hf
 
         a = args_from_hf(model)
         if CSA not in a.layer_types:
@@ -252,9 +252,9 @@ def layer_weights(ckpt: Path, model: dict, dtype: str) -> tuple[dict, tuple]:
     """The first C4 (compressed sparse attention) layer's own weights, as the engine's graph step runs them: the
     auxiliary rows joined in launch order (compressor kv_proj, gate_proj; indexer kv_proj, gate_proj, weights_proj)
     and the GEMM's (q_a_proj, kv_proj), in the campaign's dtype, every output in it too. (record, (w, wg))."""
-    from engine.checkpoint import read_tensors
-    from engine.config import CSA, args_from_hf
-    from engine.v4_checkpoint import engine_name
+    from evident.engine.checkpoint import read_tensors
+    from evident.engine.config import CSA, args_from_hf
+    from evident.engine.v4_checkpoint import engine_name
 
     layer = args_from_hf(model).layer_types.index(CSA)
     a, c, i = f"layers.{layer}.self_attn", f"layers.{layer}.self_attn.compressor", \

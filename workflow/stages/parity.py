@@ -23,14 +23,14 @@ import sys
 
 import torch
 
-from engine.checkpoint import CheckpointError
-from engine.generate import Generation, forced, generate
-from workflow import logprobs, replay
-from workflow.checkpoints import CheckpointInvalid
-from workflow.evidence import read_json
-from workflow.traces import first_difference, first_row_mismatch, token_row
-from workflow.runs import label, run_name
-from workflow.session import Session, engine_args, engine_stage
+from evident.engine.checkpoint import CheckpointError
+from evident.engine.generate import Generation, forced, generate
+from evident.workflow import logprobs, replay
+from evident.workflow.checkpoints import CheckpointInvalid
+from evident.workflow.evidence import read_json
+from evident.workflow.traces import first_difference, first_row_mismatch, token_row
+from evident.workflow.runs import label, run_name
+from evident.workflow.session import Session, engine_args, engine_stage
 
 
 def run_batch(s: Session, batch: int, name: str) -> list[dict]:

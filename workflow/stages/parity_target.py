@@ -27,11 +27,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from engine.checkpoint import eos_ids
-from workflow import checkpoints, environment, targets
-from workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256
-from workflow.privacy import scrub
-from workflow.traces import first_row_mismatch, token_row as parity_row
+from evident.engine.checkpoint import eos_ids
+from evident.workflow import checkpoints, environment, targets
+from evident.workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256
+from evident.workflow.privacy import scrub
+from evident.workflow.traces import first_row_mismatch, token_row as parity_row
 
 
 def token_row(tok: Tokenizer, ids: list[int], served: str | None = None) -> dict:

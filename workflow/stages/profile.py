@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from workflow import privacy, profilers
-from workflow.environment import resolve_device
-from workflow.evidence import Stage, read_config, write_bytes, write_text
-from workflow.floor import floor
+from evident.workflow import privacy, profilers
+from evident.workflow.environment import resolve_device
+from evident.workflow.evidence import Stage, read_config, write_bytes, write_text
+from evident.workflow.floor import floor
 
 CSV_HEADER = ["kernel", "calls", "total_us", "mean_us", "share_pct"]
 

@@ -1,7 +1,7 @@
 """Stage `quality`: GSM8K (its first `quality.gsm8k.limit` rows) on each target, then the quality gate of every candidate against the reference.
 
 Targets (`quality.targets`): `hf` (transformers' own model, in process, as the oracle loads it), `engine`
-(this project's engine behind its OpenAI-compatible endpoint, `python -m engine.serve`, started here on a
+(this project's engine behind its OpenAI-compatible endpoint, `python -m evident.engine.serve`, started here on a
 free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log), the name
 of an `engines:` entry of kind openai (its url, or its serve command started and stopped as the engine's server is,
 logged to logs/quality-<name>-server.log; workflow/targets.py) and `{name, url}` (any OpenAI-compatible
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from workflow import checkpoints, environment, gsm8k, hf, targets
-from workflow.evidence import Stage, read_config, read_json, stage_args, write_text
+from evident.workflow import checkpoints, environment, gsm8k, hf, targets
+from evident.workflow.evidence import Stage, read_config, read_json, stage_args, write_text
 
 NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
                "on identical completions and otherwise makes no claim; it says nothing about model quality")
@@ -87,7 +87,7 @@ def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: 
     with targets.engine_server(ckpt, device, dtype, evidence / "logs/quality-engine-server.log") as (base, ready):
         log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
         texts = run_endpoint(base, items, cfg, log, "engine")
-    return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m engine.serve, "
+    return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m evident.engine.serve, "
                                      "127.0.0.1, /v1/completions, greedy, batch 1)",
                    "server_ready_s": round(ready, 3), "versions": {"torch": torch.__version__}}
 

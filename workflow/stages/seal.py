@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from workflow import gates, privacy, tracking
-from workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
-from workflow.summary import render
+from evident.workflow import gates, privacy, tracking
+from evident.workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
+from evident.workflow.summary import render
 
 
 def _reason(exc: Exception) -> str:

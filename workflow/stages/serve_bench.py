@@ -1,7 +1,7 @@
 """Stage `serve_bench`: the benchmark over HTTP, one target a job, a cell per concurrency and prompt contract.
 
 A target (`bench.http.targets`, workflow.targets.bench_targets) is `engine`, the builtin engine through
-`python -m engine.serve` on the campaign's device, dtype and decode path (`bench.kernels`), or an `openai` entry of
+`python -m evident.engine.serve` on the campaign's device, dtype and decode path (`bench.kernels`), or an `openai` entry of
 `engines:` (its url, or its serve command started here). For each concurrency C of `bench.http.concurrency`:
 `bench.warmup` warm-up rounds, then `bench.repeats` measured rounds, each of C streaming /v1/completions requests
 sent at once (C threads released together), every one asking exactly `bench.new_tokens` tokens (max_tokens, and
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from workflow import checkpoints, environment, targets
-from workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
-from workflow.evidence import Stage, read_config, read_json, stage_args
-from workflow.privacy import scrub
-from workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
+from evident.workflow import checkpoints, environment, targets
+from evident.workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
+from evident.workflow.evidence import Stage, read_config, read_json, stage_args
+from evident.workflow.privacy import scrub
+from evident.workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
 
 USAGE = {"stream_options": {"include_usage": True}}
 # what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
