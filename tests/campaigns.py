@@ -25,8 +25,8 @@ def overridden(base: dict, **over) -> dict:
     return cfg
 
 
-def rejected(cfg: dict) -> str:
-    """The campaign check's error for cfg (it must refuse it)."""
+def rejected(cfg: dict, overrides: dict | None = None) -> str:
+    """The campaign check's error for cfg, with --config `overrides` if any (it must refuse it)."""
     with pytest.raises(WorkflowError) as e:
-        validate_campaign(cfg, SCHEMA)
+        validate_campaign(cfg, SCHEMA, overrides)
     return str(e.value)

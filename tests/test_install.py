@@ -27,15 +27,14 @@ PLATFORMS = [("x86_64-manylinux_2_28", "Linux x86_64"), ("aarch64-manylinux_2_28
 PYTHONS = ["3.11", "3.12"]
 
 
-def resolve(requirements: Path | str, platform: str, python: str, *constraints: Path) -> subprocess.CompletedProcess:
-    """uv's resolution of `requirements` (a file, or the text of one) for one platform and Python, against the
-    public registry (uv's default index; no local wheel folder, no pip configuration)."""
-    text = None if isinstance(requirements, Path) else requirements
-    cmd = [sys.executable, "-m", "uv", "pip", "compile", "-q", "--no-header", "--all-extras" if text is None else "-",
-           *([str(requirements)] if text is None else []), "--python-platform", platform, "--python-version", python,
-           *[a for c in constraints for a in ("-c", str(c))]]
+def resolve(requirements: Path, platform: str, python: str, *constraints: Path) -> subprocess.CompletedProcess:
+    """uv's resolution of `requirements` (pyproject.toml with every extra, or a requirements file) for one platform
+    and Python, against the public registry (uv's default index; no local wheel folder, no pip configuration)."""
+    extras = ["--all-extras"] if requirements.suffix == ".toml" else []
+    cmd = [sys.executable, "-m", "uv", "pip", "compile", "-q", "--no-header", *extras, str(requirements),
+           "--python-platform", platform, "--python-version", python, *[a for c in constraints for a in ("-c", str(c))]]
     env = {**os.environ, "MACOSX_DEPLOYMENT_TARGET": "14.0", "UV_NO_CONFIG": "1"}
-    return subprocess.run(cmd, input=text, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +55,10 @@ def test_the_declared_dependencies_and_the_lock_resolve_on_every_supported_platf
     assert r.returncode == 0, f"requirements.lock does not install on {platform}, Python {python}:\n{r.stderr}"
 
 
-def test_the_resolution_check_fails_naming_the_conflict_of_a_pin_against_torchs_own():
+def test_the_resolution_check_fails_naming_the_conflict_of_a_pin_against_torchs_own(tmp_path):
     # the pins this project once declared: torch 2.13.0 brings triton 3.7.1 on Linux
-    r = resolve("torch==2.13.0\ntriton==3.6.0\n", "x86_64-manylinux_2_28", "3.11")
+    (tmp_path / "requirements.in").write_text("torch==2.13.0\ntriton==3.6.0\n")
+    r = resolve(tmp_path / "requirements.in", "x86_64-manylinux_2_28", "3.11")
     assert r.returncode != 0
     assert "triton==3.6.0" in r.stderr and "torch==2.13.0" in r.stderr, r.stderr
 

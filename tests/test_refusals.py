@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from snakemake.exceptions import WorkflowError
 
+from campaigns import SCHEMA, rejected
 from evident.workflow.campaign import typed, validate_campaign
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA = str(REPO / "config/schema.yaml")
 BIN = Path(sys.executable).parent
 TINY = yaml.safe_load((REPO / "config/config.yaml").read_text())
 CASES = [{"name": "hello", "prompt": "Hello, evident!"}]
@@ -29,12 +28,6 @@ FOLDER = "give an existing Hugging Face-format checkpoint folder (config.json, i
 
 def local(path) -> dict:
     return {"campaign": "mini", "checkpoint": {"source": "local", "path": str(path)}, "cases": copy.deepcopy(CASES)}
-
-
-def rejected(cfg: dict, overrides: dict | None = None) -> str:
-    with pytest.raises(WorkflowError) as e:
-        validate_campaign(cfg, SCHEMA, overrides)
-    return str(e.value)
 
 
 def run(command: list[str], wd: Path, *args: str) -> subprocess.CompletedProcess:
