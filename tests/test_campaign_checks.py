@@ -55,7 +55,8 @@ def _here(monkeypatch, tmp_path):
 # --- checkpoint.base and complete configs ---------------------------------------------------------
 
 def test_shipped_models_are_the_campaigns_models():
-    assert models() == ["deepseek-v2-lite", "deepseek-v4-flash", "deepseek-v4-tiny", "moonlight-16b-a3b", "tiny"]
+    assert models() == ["deepseek-v2-lite", "deepseek-v4-flash", "deepseek-v4-tiny", "moonlight-16b-a3b", "tiny",
+                        "tiny-mla576"]
     assert yaml.safe_load((REPO / "config/models/tiny.yaml").read_text()) == TINY["checkpoint"]["config"]
     assert yaml.safe_load((REPO / "config/models/deepseek-v2-lite.yaml").read_text()) == LITE
     # the DeepSeek-V3 architecture at Moonlight-16B-A3B's published shape: 16 B parameters
@@ -88,7 +89,7 @@ def test_a_partial_config_without_a_base_is_refused_naming_what_is_missing():
     assert msg.splitlines()[0] == (
         f"invalid campaign config at `checkpoint.config`: missing field(s) {', '.join(missing)}: transformers would "
         "take its defaults for them (here: 5.41 B parameters); give every field, or set checkpoint.base "
-        "(deepseek-v2-lite, deepseek-v4-flash, deepseek-v4-tiny, moonlight-16b-a3b, tiny) and keep checkpoint.config for the fields that differ."), msg
+        "(deepseek-v2-lite, deepseek-v4-flash, deepseek-v4-tiny, moonlight-16b-a3b, tiny, tiny-mla576) and keep checkpoint.config for the fields that differ."), msg
     assert "hidden_size" in missing and "rope_scaling" not in required_fields()  # absent: plain RoPE
     assert "no model: set checkpoint.base (deepseek-v2-lite, deepseek-v4-flash, deepseek-v4-tiny, moonlight-16b-a3b, tiny) or give checkpoint.config in full" in rejected(
         {"campaign": "mini", "cases": CASES})

@@ -93,7 +93,8 @@ def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
     if fails:
         with pytest.raises(SystemExit, match="register spills"):
             gate.main(args)
-        assert not (tmp_path / "gate.json").exists()
+        record = read_json(tmp_path / "gate.json")  # the record of a failing run too, with why it failed
+        assert record["passed"] is False and "register spills" in record["failed"][0]
     else:
         gate.main(args)
         assert read_json(tmp_path / "gate.json")["verdicts"]["audit"] == verdict

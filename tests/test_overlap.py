@@ -252,7 +252,8 @@ def test_broken_b_is_a_bitwise_mismatch_and_the_gate_fails(tmp_path, monkeypatch
     assert rec["metrics"]["bitwise_equal"] == 0
     with pytest.raises(SystemExit, match="overlap A/B screen.*A and B differ"):
         seal_and_gate(ev, tmp_path / "gate.json")
-    assert not (tmp_path / "gate.json").exists()
+    gate_record = read_json(tmp_path / "gate.json")  # a failing run's record too, with why it failed
+    assert gate_record["passed"] is False and gate_record["verdicts"]["overlap"] == "bitwise_mismatch"
 
 
 # --- SUMMARY section and plot --------------------------------------------------------------------

@@ -230,7 +230,8 @@ def test_a_perturbed_b_in_any_screen_fails_the_gate(tmp_path):
     assert read_json(ev / "stages/overlap.json")["tags"]["overlap.verdict"] == "bitwise_mismatch"
     with pytest.raises(SystemExit, match=r"overlap A/B screens .*says bitwise_mismatch \(`broken` .*\); see overlap/screens.json"):
         seal_and_gate(ev, tmp_path / "gate.json")
-    assert not (tmp_path / "gate.json").exists()
+    gate_record = read_json(tmp_path / "gate.json")  # a failing run's record too, with why it failed
+    assert gate_record["passed"] is False and gate_record["verdicts"]["overlap"] == "bitwise_mismatch"
 
 
 # --- the stage's verdict over its screens (pure) --------------------------------------------------
@@ -279,6 +280,10 @@ def test_a_campaigns_broken_screen_fails_the_run_after_sealing(tmp_path):
     (ev,) = (tmp_path / "evidence/screens").iterdir()
     manifest = read_json(ev / "MANIFEST.json")
     assert manifest["gates"]["overlap"] == "bitwise_mismatch" and manifest["stages"]["overlap"] == "ok"
+    # the gate's record outlives the failed job (its output is a marker a pass alone writes)
+    record = read_json(tmp_path / f".evident/gates/screens/{ev.name}.json")
+    assert record["passed"] is False and "says bitwise_mismatch (`broken`" in record["failed"][0]
+    assert not (tmp_path / f".evident/logs/screens/{ev.name}/gate.passed").exists()
     for rel in ("overlap/screens.json", "overlap/screen.json", "overlap/doubling/screen.json",
                 "overlap/broken/timings.csv", "plots/overlap-broken.png"):
         assert rel in manifest["files"], rel

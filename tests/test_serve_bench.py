@@ -236,7 +236,9 @@ def test_the_builtin_engine_over_http_gives_every_cell(builtin, shared):
     assert sorted(builtin) == ["http-engine-c1", "http-engine-c2", "http-engine-distinct-c1", "http-engine-distinct-c2"]
     for label, cell in builtin.items():
         assert cell["refused"] is None and cell["kernels"] == "torch" and cell["device"] == "cpu", label
-        assert cell["contract"]["request_extras"] == ["ignore_eos", "stream_options"]  # exactly new_tokens, counted
+        # usage counted; ignore_eos sent, but no prompt of the contract meets EOS within new_tokens on the tiny
+        # model, so whether the server honours it cannot be told (tests/test_target_points.py: it does)
+        assert cell["contract"]["request_extras"] == ["stream_options"] and cell["contract"]["ignore_eos"] == "unverified"
         assert len(cell["repeats"]) == 3 and len(cell["warmup_duration_ms"]) == 1
         for rnd in cell["repeats"]:
             assert len(rnd["requests"]) == cell["concurrency"]
@@ -363,7 +365,7 @@ def test_a_server_that_stops_early_or_does_not_stream_gets_no_figure(shared, mod
     cell = cells[f"http-fake-{mode}-c2"]
     if refused is None:
         assert cell["refused"] is None and cell["stats"]["tpot"]["count"] == 3 * 2
-        want = ("tokenizer", []) if mode == "plain" else ("usage", ["ignore_eos", "stream_options"])
+        want = ("tokenizer", []) if mode == "plain" else ("usage", ["stream_options"])  # ignore_eos: unverified
         assert (cell["repeats"][0]["requests"][0]["counted_by"], cell["contract"]["request_extras"]) == want
     else:
         assert cell["stats"] is None and refused in cell["refused"]

@@ -174,8 +174,14 @@ def test_a_trace_that_does_not_answer_its_request_is_refused():
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                     reason="transformers serve places the model with accelerate (the `test` extra)")
 def test_transformers_serve_is_compared_at_text_level(shared, monkeypatch):
+    """Through its recipe (workflow/recipes.py `transformers`), as a campaign's one line runs it."""
+    from evident.workflow import recipes
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    result = held(shared, {"name": "transformers-serve", "kind": "openai", "serve": {"command": TRANSFORMERS_SERVE}})
+    cfg = {"dtype": "float32", "engines": [{"name": "transformers-serve", "recipe": "transformers"}]}
+    recipes.expand(cfg, {"max_position_embeddings": 256})
+    assert cfg["engines"][0]["serve"]["command"].split()[:4] == TRANSFORMERS_SERVE.split()[:4]
+    result = held(shared, cfg["engines"][0])
     t = result["targets"]["transformers-serve"]
     assert (t["level"], t["verdict"], result["verdict"]) == ("text", "text_only", "text_only")
     assert set(t["not_checked"]) == {"logic", "precision"}
@@ -326,7 +332,7 @@ def test_summary_shows_each_target_with_its_verdict_and_level(served, shared):
     text = text_run(oracle, [oracle["cases"][0]["served_text"]])
     lines = re.sub(" +", " ", "\n".join(parity_section(compare.compare(oracle, [token, text]), "float32", PARITY["top_k"])))
     assert "| engine-served | openai, token level | 1 | 1/1 exact |" in lines
-    assert "| t | openai, text level | 1 | 0/1 exact | — (text level: no log-probs) |" in lines
+    assert "| t | openai, text level | 1 | text: 1/1 equal | — (text level: no log-probs) |" in lines
     assert "| `engine-served` | openai | token | float32 | `all_token_text_exact` |" in lines
     assert "| `t` | openai | text | float32 | `text_only` | logic: text level: no log-probs;" in lines
 

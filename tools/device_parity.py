@@ -126,7 +126,7 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
                     records.append(parity.run_record(s, b, cases, forced_runs, parity.run_ragged(s, b, alone)))
             # the stage's own margin rule (a bf16 campaign's measured noise): a fixed floor judged a mutant's
             # divergence at a margin the unmutated run's comparison calls a near-tie
-            result = compare.compare_parity(o, records, cfg["parity"])
+            result = compare.compare_parity(o, records, cfg)
             mutant = ev.with_name(f"{ev.name}-mutant-{name}")  # the records, for a later look
             for b, record in zip(batches, records):
                 write_json(mutant / f"parity/single-b{b}.json", record)

@@ -24,8 +24,9 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import update_config
 
 from evident.engine.config import V4, ModelArgs, V4Args, args_from_hf
-from evident.workflow import checkpoints, environment, estimate, runs, screens, targets
+from evident.workflow import checkpoints, environment, estimate, recipes, runs, screens, targets
 from evident.workflow.evidence import MANIFEST, sha256_bytes
+from evident.workflow.privacy import redact_env, redact_path, redact_words
 
 # HF DeepseekV2Config fields the engine does not need, and the legacy rope keys it reads.
 HF_ONLY = {"architectures", "model_type", "torch_dtype", "dtype", "initializer_range", "use_cache",
@@ -95,6 +96,9 @@ def validate_campaign(config: dict, schema: str, overrides: Mapping | None = Non
     if not problems:  # the checks below rely on the schema's types and defaults
         resolve_stages(config)
         model = resolve_model(config, problems)
+        problems += recipes.problems(config)
+        if model is not None:
+            recipes.expand(config, model)
         problems += check_inputs(config, model)
         problems += estimate.size_problems(config, model)
         problems += check_baseline(config, own)
@@ -500,11 +504,6 @@ def read_campaign_file(path: str) -> dict:
     return config
 
 
-def _redact_path(value: str) -> str:
-    """A path becomes its last part plus a hash of the whole: distinct, yet no home or user name."""
-    return f"<path>/{os.path.basename(os.path.normpath(value))}#{sha256_bytes(value.encode())[:8]}"
-
-
 def evidence_config(config: dict) -> dict:
     """The config as recorded in evidence and hashed into the id.
 
@@ -515,14 +514,14 @@ def evidence_config(config: dict) -> dict:
     """
     out = copy.deepcopy({k: v for k, v in config.items() if k not in ("tracking", "resources")})
     if out["checkpoint"].get("path"):
-        out["checkpoint"]["path"] = _redact_path(out["checkpoint"]["path"])
+        out["checkpoint"]["path"] = redact_path(out["checkpoint"]["path"])
     baseline = out.get("bench", {}).get("baseline")
     if baseline and ("/" in baseline or os.sep in baseline):
-        out["bench"]["baseline"] = _redact_path(baseline)
+        out["bench"]["baseline"] = redact_path(baseline)
     gsm = out.get("quality", {}).get("gsm8k", {})
     for split in ("test", "train"):  # data files: the name and a hash of the path; the stage records their sha256
         if gsm.get(split):
-            gsm[split] = _redact_path(gsm[split])
+            gsm[split] = redact_path(gsm[split])
     for t in [*out.get("quality", {}).get("targets", []), *out.get("engines", [])]:
         if isinstance(t, dict) and t.get("url"):  # an endpoint URL may carry a host or credentials
             t["url"] = f"<url>#{sha256_bytes(t['url'].encode())[:8]}"
@@ -532,6 +531,11 @@ def evidence_config(config: dict) -> dict:
         for node, key in ((e, "command"), (e.get("serve") or {}, "command")):
             if node.get(key):
                 node[key] = _redact_command(node[key])
+        if e.get("python"):
+            e["python"] = redact_words([e["python"]])[0]
+        e["args"] = redact_words(e.get("args", []))
+        if e.get("env"):
+            e["env"] = redact_env(e["env"])
     return out
 
 
@@ -542,4 +546,4 @@ def _redact_command(template: str) -> str:
         words = shlex.split(template)
     except ValueError:  # refused by the campaign check; recorded as a hash meanwhile
         return f"<command>#{sha256_bytes(template.encode())[:8]}"
-    return " ".join(_redact_path(w) if w.startswith("/") else w for w in words)  # a record, never run
+    return " ".join(redact_words(words))  # a record, never run

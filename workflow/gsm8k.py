@@ -15,6 +15,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from evident.workflow.evidence import sha256_bytes, sha256_file
+from evident.workflow.traces import REPLACEMENT, UNDECODABLE
 
 OFFICIAL_SHA256 = {"test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
                    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"}
@@ -225,6 +226,11 @@ def score(items: list[dict], completions: list[str], match: str) -> tuple[list[d
 
 # --- the gate ----------------------------------------------------------------------------------
 
+def replacement_only(a: str, b: str) -> bool:
+    """a and b differ, and only where one side has U+FFFD characters and the other nothing."""
+    return a != b and a.replace(REPLACEMENT, "") == b.replace(REPLACEMENT, "")
+
+
 # worst last; every verdict but pass fails the run unless the campaign sets quality.advisory
 VERDICTS = ("pass", "no_claim", "fail", "fail_flips", "refused")
 
@@ -253,10 +259,14 @@ def gate(reference: dict, candidate: dict, ref_rows: list[dict], cand_rows: list
              for r in cand_rows if ref_of[r["id"]]["ok"] and not r["ok"]]
     gains = [r["id"] for r in cand_rows if r["ok"] and not ref_of[r["id"]]["ok"]]
     differ = [r["id"] for r in cand_rows if r["completion"] != ref_of[r["id"]]["completion"]]
+    # differing only in U+FFFD: still different text (never counted as identical), named apart with its cause
+    fffd = [r["id"] for r in cand_rows if replacement_only(r["completion"], ref_of[r["id"]]["completion"])]
     n, same = len(cand_rows), len(cand_rows) - len(differ)
     rc, cc = reference["correct"], candidate["correct"]
     ri, ci = reference["invalid"], candidate["invalid"]
-    counts = f"correct {cc} vs {rc}, invalid {ci} vs {ri}, identical completions {same}/{n}"
+    hint = (f"{len(fffd)}/{n} differ only in U+FFFD characters (one side has U+FFFD where the other has nothing: "
+            f"{UNDECODABLE}), not counted as identical" if fffd else "")
+    counts = f"correct {cc} vs {rc}, invalid {ci} vs {ri}, identical completions {same}/{n}" + (f"; {hint}" if hint else "")
     if ri == n:
         verdict = "no_claim"
         reasons = [f"the reference gave no valid answer on {n} questions"
@@ -268,8 +278,9 @@ def gate(reference: dict, candidate: dict, ref_rows: list[dict], cand_rows: list
         if differ:
             verdict = "no_claim"
             reasons = [f"random weights, and the completions differ on {len(differ)}/{n} questions "
-                       f"({', '.join(f'q{i}' for i in differ[:8])}{', …' if len(differ) > 8 else ''}): accuracy on "
-                       "random weights compares nothing, so no claim is made"]
+                       f"({', '.join(f'q{i}' for i in differ[:8])}{', …' if len(differ) > 8 else ''})"
+                       + (f", {hint}" if hint else "")
+                       + ": accuracy on random weights compares nothing, so no claim is made"]
         else:
             verdict, reasons = "pass", [f"random weights: identical completions on every question ({n}/{n})"]
     else:
@@ -289,4 +300,5 @@ def gate(reference: dict, candidate: dict, ref_rows: list[dict], cand_rows: list
             reasons = [f"correct {cc} >= {rc} - {tolerance}, invalid {ci} <= {ri}"
                        + (f"; {len(flips)} flip(s) listed, not failing (fail_on_flips off)" if flips else "; no flips")]
     return {**out, "verdict": verdict, "reason": "; ".join(reasons), "compared": compared, "counts": counts,
-            "flips": flips, "gains": gains, "differ": differ, "same_completion": same, "rows": n}
+            "flips": flips, "gains": gains, "differ": differ, "same_completion": same, "replacement_only": fffd,
+            "rows": n}

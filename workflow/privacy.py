@@ -15,10 +15,13 @@ from __future__ import annotations
 import getpass
 import gzip
 import json
+import os
 import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+
+from evident.workflow.evidence import sha256_bytes
 
 # Generic words that are no evidence of anything when they occur as a word ("root" is a user name
 # too, but also a tree's root): a user or host name is only scanned for when it is distinctive.
@@ -65,6 +68,26 @@ def scrub(text: str) -> str:
         if name and len(name) > 1:
             text = re.sub(rf"(?<!\w){re.escape(name)}(?!\w)", repl, text)
     return text
+
+
+def redact_path(value: str) -> str:
+    """A path becomes its last part plus a hash of the whole: distinct, yet no home or user name."""
+    return f"<path>/{os.path.basename(os.path.normpath(value))}#{sha256_bytes(value.encode())[:8]}"
+
+
+def redact_words(words: list[str]) -> list[str]:
+    """A command's words with each absolute path redacted (redact_path)."""
+    return [redact_path(w) if w.startswith("/") else w for w in words]
+
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASS|AUTH|CREDENTIAL", re.IGNORECASE)
+
+
+def redact_env(env: dict) -> dict:
+    """Environment variables as evidence records them: a secret's name keeps a hash of its value only; a path is
+    redacted."""
+    return {k: f"<secret>#{sha256_bytes(v.encode())[:8]}" if SECRET_NAME.search(k) else
+            redact_path(v) if v.startswith("/") else v for k, v in env.items()}
 
 
 def scrub_json(value):

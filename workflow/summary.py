@@ -11,29 +11,62 @@ from evident.workflow.traces import markdown
 from evident.workflow.verdicts import worst
 
 
-def _divergence(d: dict) -> str:
+def _at(d: dict) -> str:
+    """Where a divergence is: a decode step, or a position inside the prompt (a teacher-forced position before the
+    first generated token: compare's step is negative there, its `position` the place in the path)."""
+    step = d["step"]
+    if step is not None and step < 0:
+        return f"prompt position {d['position']}" if d.get("position") is not None else f"inside the prompt (step {step})"
+    return f"step {step}"
+
+
+def divergence(d: dict) -> str:
+    """A first divergence (parity/comparison.json), in words."""
+    if d.get("kv_cache_dtype"):  # a target's logic check failed where it declares a lower-precision KV cache
+        return (f"KV cache in {d['kv_cache_dtype']}: log-prob error {d['abs_delta']:.3g} > tolerance {d['tolerance']:g} "
+                f"(row {d['row']} {_at(d)}, token {d['token']}), its cache's rounding, not wrong maths")
     if "char" in d and "oracle_text" in d:  # a text-level target's text against the oracle's
         margin = "n/a" if d["oracle_margin"] is None else f"{d['oracle_margin']:.3g}"
-        return (f"text, character {d['char']} (oracle step {d['step']}, margin {margin}): oracle {d['oracle_text']!r} "
-                f"vs target {d['target_text']!r}")
+        return (f"text, character {d['char']} (oracle {_at(d)}, margin {margin}): oracle {d['oracle_text']!r} "
+                f"vs target {d['target_text']!r}" + (f"; {d['hint']}" if d.get("hint") else ""))
     if "char" in d:
         return f"text, row {d['row']} character {d['char']}: {d['row_text']!r} vs row 0 {d['row0_text']!r}"
     if "alone_token" in d:  # parity's ragged batch, a row against its prompt alone
-        return (f"ragged float32, row {d['row']} ({d['case']}) step {d['step']}: {d['token']} vs {d['alone_token']} "
+        return (f"ragged float32, row {d['row']} ({d['case']}) {_at(d)}: {d['token']} vs {d['alone_token']} "
                 f"alone (margins: batch {d['batch_margin']:.3g}, alone {d['alone_margin']:.3g})")
     if "collective_token" in d:
-        return f"step {d['step']}: host-staged {d['host_staged_token']} vs collective {d['collective_token']}"
+        return f"{_at(d)}: host-staged {d['host_staged_token']} vs collective {d['collective_token']}"
     if "oracle_token" in d:
         margin = "n/a" if d["oracle_margin"] is None else f"{d['oracle_margin']:.3g}"
-        return f"step {d['step']}: oracle {d['oracle_token']} vs engine {d['engine_token']} (margin {margin})"
+        return f"{_at(d)}: oracle {d['oracle_token']} vs engine {d['engine_token']} (margin {margin})"
     if "abs_delta" in d:
-        return (f"forced float32, row {d['row']} step {d['step']}: token {d['token']} log-prob {d['engine_logprob']:.4f} "
+        return (f"forced float32, row {d['row']} {_at(d)}: token {d['token']} log-prob {d['engine_logprob']:.4f} "
                 f"vs oracle {d['oracle_logprob']:.4f} (|Δ| {d['abs_delta']:.3g} > {d['tolerance']:g})")
     if "ratio" in d:
         return (f"{d['dtype']} mean |Δ| {d['engine_mean']:.4f} vs transformers' {d['transformers_mean']:.4f}: "
                 f"{d['ratio']:.3f}x > {d['bound']:g}x" if d["ratio"] is not None else "transformers made no error")
+    if "pair" in d:  # a variant pair's
+        return pair_divergence(*d["pair"], d)
     where = f"forced {d['dtype']} " if d.get("forced") else ""
-    return f"{where}row {d['row']} step {d['step']}: {d['row_token']} vs row 0 {d['row0_token']}"
+    return f"{where}row {d['row']} {_at(d)}: {d['row_token']} vs row 0 {d['row0_token']}"
+
+
+
+
+def pair_divergence(a: str, b: str, d: dict) -> str:
+    """A variant pair's first divergence (compare's pair_cells: row 0 of each, tokens or served text)."""
+    if "char" in d:
+        return f"text, character {d['char']}: `{a}` {d[a]!r} vs `{b}` {d[b]!r}"
+    return f"{_at(d)}: `{a}` {d[a]} vs `{b}` {d[b]}"
+
+
+def free_running(cases: list[dict], level: str) -> str:
+    """The free-running comparison alone (a cell's `free_running`, before the forced checks; a file written before it
+    was recorded: the cell's verdict): exact ids and text, or at text level equal text (`text_only`)."""
+    got = [c.get("free_running") or c["verdict"] for c in cases]
+    if level == "text":
+        return f"text: {sum(v in ('text_only', 'all_token_text_exact') for v in got)}/{len(got)} equal"
+    return f"{got.count('all_token_text_exact')}/{len(got)} exact"
 
 
 def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
@@ -54,7 +87,7 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
         if lg is None and "logic" in f.get("not_checked", {}):
             logic = f"— ({f['not_checked']['logic']})"
         rows.append([f["backend"], f["kernels"] + (f", {f['level']} level" if "target" in f else ""), f["batch"],
-                     f"{sum(c['verdict'] == 'all_token_text_exact' for c in cases)}/{len(cases)} exact",
+                     free_running(cases, f.get("level", "token")),
                      logic, prec, top1, f"`{worst(c['verdict'] for c in mine)}`"])
     transport: dict[tuple, list[str]] = {}
     for c in cells:
@@ -65,9 +98,9 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
                      f"{verdicts.count('all_token_text_exact')}/{len(verdicts)} equal", "—", "—", "—", f"`{worst(verdicts)}`"])
     seen: dict[str, list[str]] = {}
     for c in cells:
-        if c["first_divergence"]:
+        if c["first_divergence"] and "pair" not in c:  # a variant pair's: its own table (pairs_lines)
             where = f"{c['backend']} {c['kernels']} b{c['batch']}"
-            seen.setdefault(f"{c['case']}: {_divergence(c['first_divergence'])}", []).append(where)
+            seen.setdefault(f"{c['case']}: {divergence(c['first_divergence'])}", []).append(where)
     near, noise = f"near-tie margin {comparison['near_tie_margin']:.3g}", comparison["near_tie_noise"]
     if noise:
         near += (f": the {noise['quantile']:.0%} quantile of transformers' own {dtype} error on a top-1/top-2 margin "
@@ -95,19 +128,71 @@ def parity_section(comparison: dict, dtype: str, top_k: int) -> list[str]:
                             for c in ragged), ""]
     if seen:
         out += ["First divergences:", "", *[f"- {d} ({', '.join(w)})" for d, w in seen.items()], ""]
-    return out + targets_lines(comparison.get("targets") or {})
+    return (out + targets_lines(comparison.get("targets") or {}, cells, comparison.get("forced", []))
+            + pairs_lines(comparison.get("pairs") or []))
 
 
-def targets_lines(engines: dict) -> list[str]:
-    """The engine targets of `engines:`: each one's verdict, the level it was compared at, what was not checked."""
+FLAGS_WIDTH = 60  # a target's launch arguments, shortened to fit the table
+
+
+def _engine(t: dict) -> str:
+    name, version = t.get("engine"), t.get("version")
+    if not name:
+        return "—"
+    return name + (f" {version}" if version and str(version) not in name else "")
+
+
+def _weights(t: dict) -> str:
+    conv = t.get("converted")
+    dtype = t.get("weights_dtype") or "—"
+    return dtype + (f"; GGUF `{(conv.get('sha256') or '?')[:12]}`" + (f" ({conv['outtype']})" if conv.get("outtype") else "")
+                    if conv else "")
+
+
+def _flags(args: list[str] | None) -> str:
+    if not args:
+        return "—"
+    text = " ".join(args).replace("|", "\\|")
+    return f"`{text if len(text) <= FLAGS_WIDTH else text[:FLAGS_WIDTH - 1] + '…'}`"
+
+
+def _target_verdict(name: str, t: dict, cells: list[dict], forced: list[dict]) -> str:
+    """The verdict; a KV-cache precision gap named in words, with the log-prob error that made it."""
+    if t["verdict"] != "kv_cache_precision_gap":
+        return f"`{t['verdict']}`"
+    d = next((c["first_divergence"] for c in cells if c.get("target") == name
+              and c["verdict"] == "kv_cache_precision_gap" and c.get("first_divergence")), None) or {}
+    logic = next((f["logic"] for f in forced if f.get("target") == name and f.get("logic")), None) or {}
+    error, tol = d.get("abs_delta", logic.get("max")), d.get("tolerance", logic.get("tolerance"))
+    figures = f": log-prob error {error:.3g} > tolerance {tol:g}" if error is not None and tol is not None else ""
+    return f"`kv_cache_precision_gap` (KV cache in {t.get('kv_cache_dtype') or d.get('kv_cache_dtype')}{figures})"
+
+
+def targets_lines(engines: dict, cells: list[dict] = (), forced: list[dict] = ()) -> list[str]:
+    """The engine targets of `engines:`: each one's verdict, the level it was compared at, what ran (engine, recipe,
+    weights, KV cache, launch flags: absent from files written before they were recorded), what was not checked."""
     if not engines:
         return []
     return ["Engine targets (`engines:`; a `text` level compares completions as text only: `text_only` is never "
             "exact):", "",
-            markdown(["target", "kind", "level", "forced dtype", "verdict", "not checked"],
-                     [[f"`{n}`", t["kind"], t["level"], t["dtype"], f"`{t['verdict']}`",
-                       "; ".join(f"{k}: {v}" for k, v in t["not_checked"].items()) or "—"] for n, t in engines.items()]),
+            markdown(["target", "kind", "level", "forced dtype", "verdict", "not checked", "engine", "recipe",
+                      "weights", "kv cache", "flags"],
+                     [[f"`{n}`", t["kind"], t["level"], t["dtype"], _target_verdict(n, t, cells, forced),
+                       "; ".join(f"{k}: {v}" for k, v in t["not_checked"].items()) or "—", _engine(t),
+                       t.get("recipe") or "—", _weights(t), t.get("kv_cache_dtype") or "—", _flags(t.get("args"))]
+                      for n, t in engines.items()]),
             ""]
+
+
+def pairs_lines(pairs: list[dict]) -> list[str]:
+    """The variant pairs (`agrees_with`): two entries that must agree token for token (text where either is text)."""
+    if not pairs:
+        return []
+    return ["Variant pairs (row 0 of every case and batch size, one against the other):", "",
+            markdown(["pair", "verdict", "first divergence"],
+                     [[f"`{p['a']}` vs `{p['b']}`", f"`{p['verdict']}`",
+                       f"{d['case']}: {pair_divergence(p['a'], p['b'], d)}" if (d := p.get("first_divergence")) else "—"]
+                      for p in pairs]), ""]
 
 
 def render(evidence_dir: str | Path, git: dict) -> str:

@@ -8,9 +8,12 @@ always there and has no entry; the others are:
 - `command`: a command template run once per request; it reads a JSON request and writes a JSON trace, both
   checked against the schemas below (`REQUEST`, `TRACE`).
 
+An entry may name a `recipe` instead (workflow/recipes.py): the campaign check expands it into such an entry.
 Templates are split into words first (shlex), then each word's placeholders are filled: `{python}` (this
-interpreter), `{checkpoint}`, `{dtype}` (the target's), `{device}`, and `{port}` (serve) or `{request}` `{out}`
-(command); a filled path with spaces stays one word. This module owns checking a target before any work
+interpreter), `{checkpoint}`, `{dtype}` (the target's), `{device}`, `{name}`, `{threads}`, `{gguf}` (the checkpoint
+converted to GGUF, `weights: gguf`), `{adapters}` (workflow/adapters/), and `{port}` (serve) or `{request}` `{out}`
+(command); a filled path with spaces stays one word. Only `{identifier}` is a placeholder: other braces (a JSON
+argument) are the command's own. This module owns checking a target before any work
 (`problems`), which targets the HTTP benchmark runs (`bench_targets`: `engine`, the builtin engine through
 `python -m evident.engine.serve`, and `openai` entries), the server lifecycle (`served`, `engine_server`, `endpoint`), the
 completions client (`Client`, streaming too), what a server offers (`offers`) and the command runner
@@ -23,10 +26,10 @@ import contextlib
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import socket
-import string
 import subprocess
 import sys
 import threading
@@ -38,6 +41,8 @@ from pathlib import Path
 
 from jsonschema import Draft202012Validator
 
+from evident.workflow import gguf, recipes
+from evident.workflow.privacy import redact_path, scrub
 from evident.workflow.runs import BACKENDS, BENCH_BACKENDS, KERNELS, run_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,11 +51,11 @@ BUILTIN = "builtin"  # its kind (an `engines:` entry may not take it)
 # names a target may not take: the builtin engine's runs, transformers' bench cells, the quality stage's own targets
 # and its gate file (quality/gsm8k-<target>.json)
 RESERVED = frozenset({run_name(b, k) for b in BACKENDS for k in KERNELS} | set(BENCH_BACKENDS) | {ENGINE, "gate"})
-COMMON = {"python", "checkpoint", "dtype", "device"}  # placeholders every template may use
+COMMON = {"python", "checkpoint", "dtype", "device", "name", "threads", "gguf", "adapters"}  # any template may use
 NEEDS = {"serve": {"port"}, "command": {"request", "out"}}  # and those each kind's template must use
 READY_PATH = "/v1/models"
 API_PATH = "/v1"  # a served target's base URL: http://127.0.0.1:<port>/v1
-READY_TIMEOUT_S = 300
+READY_TIMEOUT_S = 300  # a serve entry's `ready_timeout_s` by default
 REQUEST_TIMEOUT_S = 600
 REACH_TIMEOUT_S = 5  # the campaign check's GET of <url>/models
 MAX_LOGPROBS = 20  # what parity asks a server for, at most (vLLM's and engine.serve's limit)
@@ -63,16 +68,24 @@ class TargetError(RuntimeError):
 # --- the campaign check ------------------------------------------------------------------------------------------
 
 def names(config: dict) -> list[str]:
-    """The targets parity runs, in the campaign's order."""
-    return [e["name"] for e in config.get("engines", [])]
+    """The targets parity runs, in the campaign's order (not those with `parity: false`)."""
+    return [e["name"] for e in config.get("engines", []) if e.get("parity", True)]
+
+
+def pairs(config: dict) -> list[tuple[str, str]]:
+    """The variant pairs: (entry, the entry it must agree with), in the campaign's order."""
+    return [(e["name"], e["agrees_with"]) for e in config.get("engines", []) if e.get("agrees_with")]
 
 
 def by_name(config: dict) -> dict[str, dict]:
     return {e["name"]: e for e in config.get("engines", [])}
 
 
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
 def _fields(word: str) -> set[str]:
-    return {f for _, f, _, _ in string.Formatter().parse(word) if f is not None}
+    return set(PLACEHOLDER.findall(word))
 
 
 def template_problems(where: str, template: str, kind: str) -> list[tuple[str, str]]:
@@ -102,8 +115,24 @@ def problems(config: dict) -> list[tuple[str, str]]:
     """What the schema cannot say about `engines:`, as (key, message), before any work: names unique and not the
     builtin engine's, each kind's keys, the templates (their placeholders and executable)."""
     out, seen = [], set()
+    entries = by_name(config)
     for i, e in enumerate(config.get("engines", [])):
-        at, kind = f"engines.{i}", e["kind"]
+        at, kind = f"engines.{i}", e.get("kind")
+        if kind is None:
+            out.append((at, "needs a `recipe` (one of the engines users run: docs/engine-targets.md) or a `kind` "
+                            "(openai or command)"))
+            continue
+        if (other := e.get("agrees_with")) is not None:
+            twin = entries.get(other)
+            if twin is None or other == e["name"]:
+                out.append((f"{at}.agrees_with", f"{other!r} is not another entry of `engines:` (entries: "
+                                                 f"{', '.join(entries)})"))
+            elif not (e.get("parity", True) and twin.get("parity", True)):
+                out.append((f"{at}.agrees_with", "a variant pair is compared in parity: neither entry may set parity: false"))
+        for node, key in ((e.get("serve") or {}, "command"), (e, "command")):
+            if "{gguf}" in (node.get(key) or "") and e.get("weights") != "gguf":
+                out.append((at, "{gguf} is the checkpoint converted to GGUF: set `weights: gguf` (or use a recipe that "
+                                "reads GGUF)"))
         if e["name"] in RESERVED:
             out.append((f"{at}.name", f"{e['name']!r} is a name of the builtin engine's runs or of the quality stage's "
                                       "targets; choose another"))
@@ -122,6 +151,8 @@ def problems(config: dict) -> list[tuple[str, str]]:
                             "not " + ("both" if "url" in e else "neither")))
         if kind == "command" and "command" not in e:
             out.append((at, "kind command needs `command`, a template with {request} and {out}"))
+        if "ready_timeout_s" in e and "serve" not in e:
+            out.append((f"{at}.ready_timeout_s", "applies to a server the stage starts (`serve`)"))
         if "serve" in e:
             out += template_problems(f"{at}.serve.command", e["serve"]["command"], "serve")
         if kind == "command" and "command" in e:
@@ -134,7 +165,7 @@ def bench_targets(config: dict) -> list[str]:
     engine and every `openai` entry of `engines:`."""
     chosen = config["bench"]["http"]["targets"]
     return list(chosen) if chosen is not None else [ENGINE, *(e["name"] for e in config.get("engines", [])
-                                                              if e["kind"] == "openai")]
+                                                              if e.get("kind") == "openai")]
 
 
 def bench_problems(config: dict) -> list[tuple[str, str]]:
@@ -144,7 +175,7 @@ def bench_problems(config: dict) -> list[tuple[str, str]]:
     engines = by_name(config)
     for i, t in enumerate(http["targets"] or []):
         if t != ENGINE and engines.get(t, {}).get("kind") != "openai":
-            known = [ENGINE, *(n for n, e in engines.items() if e["kind"] == "openai")]
+            known = [ENGINE, *(n for n, e in engines.items() if e.get("kind") == "openai")]
             out.append((f"bench.http.targets.{i}", f"{t!r} is neither {ENGINE} (the builtin engine through its server) "
                                                    "nor an `engines:` entry of kind openai"
                         + (" (a command target takes no HTTP requests)" if t in engines else
@@ -187,9 +218,46 @@ def unreachable(url: str) -> str | None:
 # --- templates and processes -------------------------------------------------------------------------------------
 
 def fill(template: str, **values) -> list[str]:
-    """The template's words with their placeholders filled (`python` is this interpreter)."""
+    """The template's words with their placeholders filled (`python` is this interpreter); any other braces are left
+    as written (a JSON argument needs no doubled braces)."""
     values = {"python": sys.executable, **{k: str(v) for k, v in values.items()}}
-    return [w.format(**values) for w in shlex.split(template)]
+    return [PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), w) for w in shlex.split(template)]
+
+
+def threads() -> int:
+    """The cores this process may run on: what a recipe gives its engine ({threads})."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+GGUF_CACHE = Path(".evident/gguf")
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # the converter's --outtype
+
+
+def prepared(spec: dict, ckpt: Path, dtype: str, logs: Path) -> tuple[dict, dict | None]:
+    """The values a target's template takes beyond the common ones, and the converted weights' record (None: the
+    checkpoint as it is): `{gguf}` converts the checkpoint with llama.cpp's own converter, in the engine's
+    environment, cached by the files' hashes (workflow/gguf.py)."""
+    values = {"name": spec["name"], "threads": threads(), "adapters": recipes.ADAPTERS}
+    if spec.get("weights") != "gguf" or "url" in spec:
+        return values, None
+    python = recipes.python_of(spec) if "recipe" in spec else sys.executable
+    # llama.cpp's converter, as `make engines` unpacks it beside the engine's environment
+    converter = Path(python).parents[1] / "convert"
+    try:
+        converted = gguf.convert(Path(ckpt), python, converter, GGUF_TYPES[dtype], GGUF_CACHE,
+                                 logs / f"{spec['name']}-gguf.log")
+    except gguf.ConvertError as e:
+        raise TargetError(f"target {spec['name']}: {e}") from None
+    return {**values, "gguf": converted["path"]}, {k: str(v) if isinstance(v, Path) else v for k, v in converted.items()
+                                                  if k != "path"}
+
+
+def environ(spec: dict) -> dict | None:
+    """The process environment of a target's server or command: this one's with the entry's `env` over it."""
+    return {**os.environ, **spec["env"]} if spec.get("env") else None
 
 
 _HANDED_OUT: set[int] = set()  # ports free_port gave this process: servers started together each get their own
@@ -249,9 +317,9 @@ def _where(log: Path) -> str:
 
 @contextlib.contextmanager
 def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_PATH, cwd: Path | None = None,
-           env: dict | None = None):
-    """Run argv, a server that listens on 127.0.0.1:port, until GET ready answers: yields (base URL `.../v1`,
-    seconds to ready); always stopped (terminate, then kill). Its output goes to log."""
+           env: dict | None = None, timeout: float = READY_TIMEOUT_S):
+    """Run argv, a server that listens on 127.0.0.1:port, until GET ready answers within timeout seconds: yields
+    (base URL `.../v1`, seconds to ready); always stopped (terminate, then kill). Its output goes to log."""
     if not port_free(port):  # another server there would answer the readiness poll and every request
         raise TargetError(f"{what}: port {port} of 127.0.0.1 is in use; free it or leave serve.port out (a free one)")
     base, root = f"http://127.0.0.1:{port}{API_PATH}", f"http://127.0.0.1:{port}"
@@ -270,8 +338,9 @@ def served(argv: list[str], port: int, log: Path, what: str, ready: str = READY_
                     with urllib.request.urlopen(f"{root}{ready}", timeout=2):  # any 2xx: an error status raises
                         break
                 except OSError:  # refused, reset, an error status (HTTPError), a timeout
-                    if time.perf_counter() - t0 > READY_TIMEOUT_S:
-                        raise TargetError(f"{what} was not ready within {READY_TIMEOUT_S}s ({_where(log)})") from None
+                    if time.perf_counter() - t0 > timeout:
+                        raise TargetError(f"{what} was not ready within {timeout:.0f}s ({_where(log)}; a slower "
+                                          "server: raise the entry's ready_timeout_s)") from None
                     time.sleep(0.2)
             try:
                 yield base, time.perf_counter() - t0
@@ -306,14 +375,17 @@ def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = R
 
 @contextlib.contextmanager
 def endpoint(spec: dict, ckpt: Path, dtype: str, device: str, log: Path):
-    """An `openai` target's base URL: its `url`, or its `serve` command started here (log: its output)."""
+    """An `openai` target's base URL: its `url`, or its `serve` command started here (log: its output), with its
+    `env` and `ready_timeout_s`."""
     if "url" in spec:
         yield spec["url"].rstrip("/")
         return
     serve = spec["serve"]
     port = serve.get("port") or free_port()
-    argv = fill(serve["command"], port=port, checkpoint=Path(ckpt).resolve(), dtype=dtype, device=device)
-    with served(argv, port, log, f"target {spec['name']}'s server", serve.get("ready") or READY_PATH) as (base, _):
+    values, _ = prepared(spec, ckpt, dtype, log.parent)
+    argv = fill(serve["command"], port=port, checkpoint=Path(ckpt).resolve(), dtype=dtype, device=device, **values)
+    with served(argv, port, log, f"target {spec['name']}'s server", serve.get("ready") or READY_PATH,
+                env=environ(spec), timeout=spec.get("ready_timeout_s") or READY_TIMEOUT_S) as (base, _):
         yield base
 
 
@@ -386,6 +458,13 @@ class Client:
             return list(pool.map(self.complete, bodies))
 
 
+def model_id(model) -> str | None:
+    """A server's model id as evidence holds it: vLLM names a model by its checkpoint's path unless told a name."""
+    if model is None:
+        return None
+    return redact_path(str(model)) if Path(str(model)).is_absolute() else scrub(str(model))
+
+
 def token_ids(choice: dict) -> list[int] | None:
     """The choice's tokens as ids where the server named them `token_id:<id>` (return_tokens_as_token_ids), else None."""
     tokens = (choice.get("logprobs") or {}).get("tokens")
@@ -403,21 +482,28 @@ def top_entries(entry: dict | None) -> list[tuple[int, float]]:
     return sorted(pairs, key=lambda p: -p[1])
 
 
-def offers(client: Client, prompt_ids: list[int], top_k: int) -> dict:
+def offers(client: Client, prompt_ids: list[int], top_k: int, dialect: str = "openai") -> dict:
     """What the server offers parity, found with one-token requests: a prompt of token ids, the tokens named back as
     ids (`token`: both), log-probs (how many a position), and `echo` with prompt log-probs (teacher forcing; the
-    max_tokens it takes with echo: 0, else 1). A 4xx answers no; a 5xx is an error."""
-    out = {"token_prompt": False, "token_ids": False, "logprobs": 0, "echo": False, "echo_max_tokens": None}
+    max_tokens it takes with echo: 0, else 1). An error status answers no, a 5xx recorded under `refused` (llama.cpp's
+    server answers a prompt of ids with 500) once a text request shows the server works. Dialect `text`: nothing is
+    probed."""
+    out = {"dialect": dialect, "token_prompt": False, "token_ids": False, "logprobs": 0, "echo": False,
+           "echo_max_tokens": None, "refused": []}
+    if dialect == "text":
+        return out
 
     def accepted(body: dict) -> dict | None:
         try:
             return client.complete(body)["choices"][0]
         except ServerError as e:
             if e.status >= 500:
-                raise
+                out["refused"].append(f"{e.status}: {str(e).split(': ', 1)[-1][:120]}")
             return None
 
     if accepted({"prompt": prompt_ids, "max_tokens": 1}) is None:
+        if out["refused"]:
+            client.complete({"prompt": "Hello", "max_tokens": 1})  # a server that fails text too: its error stands
         return out
     out["token_prompt"] = True
     for k in dict.fromkeys((MAX_LOGPROBS, min(top_k, MAX_LOGPROBS), 5, 2, 1)):
@@ -520,7 +606,7 @@ def run_command(spec: dict, request: dict, workdir: Path, log: Path, **values) -
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as logf:
         try:
-            rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(argv, stdout=logf, stderr=subprocess.STDOUT, env=environ(spec)).returncode
         except OSError as e:
             raise TargetError(f"target {spec['name']}: cannot run {argv[0]!r}: {e.strerror}") from e
     what = f"target {spec['name']}'s trace ({out.name})"

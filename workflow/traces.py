@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from evident.workflow.evidence import text_sha256, token_sha256
 
+REPLACEMENT = "\ufffd"
+# why two decodings of the same tokens may differ in U+FFFD only (parity's text level, the quality gate)
+UNDECODABLE = ("bytes that are not UTF-8 on their own (a token that ends inside a character, common on random "
+               "weights) are rendered differently: transformers decodes them to U+FFFD, vLLM and llama.cpp drop them")
+
 
 def token_row(tok, ids: list[int]) -> dict:
     """A row of generated ids as the parity records hold it: its text (special tokens kept, so that it compares with

@@ -45,17 +45,20 @@ if not workflow.dryrun and workflow.is_main_process:
                                 "working directory; wait for it to end and run again (its lock goes when its process "
                                 "does)")
 
-GATE = f".evident/gates/{config['campaign']}/{EID}.json"
 SEAL_LOGS = f".evident/logs/{config['campaign']}/{EID}"
+GATE_RECORD = f".evident/gates/{config['campaign']}/{EID}.json"  # the gate's record: every sealed run, passing or failing
+GATE = f"{SEAL_LOGS}/gate.passed"  # the gate rule's output, written only on a pass: what `rule all` asks for
 CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
 
 
 CKPT = str(checkpoint_dir(config))  # workflow/estimate.py (which checks its free disk)
 PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 # the `engines:` entries as given (their URLs and commands travel on the command line; the evidence config records a
-# hash of each URL and the commands with their paths redacted): parity runs each (parity_target), quality the named
+# hash of each URL and the commands with their paths redacted): parity runs each but those with `parity: false`
+# (parity_target), quality the named, the HTTP bench those of kind openai
 TARGETS = targets.by_name(config)
-PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *TARGETS] for n in config["parity"]["batch_sizes"]]
+PARITY_TARGETS = {n: TARGETS[n] for n in targets.names(config)}
+PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *PARITY_TARGETS] for n in config["parity"]["batch_sizes"]]
 BENCH = [f"{E}/bench/{runs.bench_cell(b, n, p)}.json" for b in config["bench"]["backends"]
          for p in runs.bench_contracts(config["bench"]) for n in config["bench"]["batch_sizes"]]
 # the benchmark over HTTP's targets: the builtin engine's server (`engine`), `engines:` entries of kind openai as given
@@ -128,7 +131,7 @@ def served_gpus(specs):
     return lambda wildcards: 0 if "url" in specs[wildcards.target] else 1
 
 
-target_gpus = served_gpus(TARGETS)  # an engine target's parity run
+target_gpus = served_gpus(PARITY_TARGETS)  # an engine target's parity run
 http_gpus = served_gpus(HTTP_TARGETS)  # the benchmark over HTTP of a target
 
 

@@ -38,7 +38,7 @@ rule parity_target:
     output:
         [f"{E}/parity/{{target}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
-        target="|".join(map(re.escape, TARGETS)) or "(?!)",
+        target="|".join(map(re.escape, PARITY_TARGETS)) or "(?!)",
     # the stage waits on its target; a served or command target is a second process, holding the GPU on a GPU campaign
     threads: 1
     resources:
@@ -46,7 +46,7 @@ rule parity_target:
     params:
         py=lambda wildcards: on_gpus(target_gpus(wildcards)),
         ev=evidence_dir,
-        spec=lambda wildcards: shlex.quote(json.dumps(TARGETS[wildcards.target])),
+        spec=lambda wildcards: shlex.quote(json.dumps(PARITY_TARGETS[wildcards.target])),
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
         f"{E}/logs/parity-{{target}}.log",

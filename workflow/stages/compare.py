@@ -19,7 +19,10 @@ all cells is the campaign's.
 
 Engine targets (`engines:`, parity/<name>-b<B>.json) go through the same path at token level, their forced checks
 where their forced run is in a dtype a check uses (`target_checks`: what is not checked, and why, is recorded under
-`targets`); at text level through `text_case`.
+`targets`); at text level through `text_case`. A target that declares its KV cache below its compute dtype and fails
+the logic check gets `kv_cache_precision_gap`. The entries of a variant pair (`agrees_with`) must agree with each
+other, row 0 of each case and batch size, token for token (`pair_cells`; text where either is text level).
+Each cell keeps its free-running verdict (`free_running`) beside the one the forced checks left.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from evident.workflow import gates, logprobs, replay
+from evident.workflow import gates, logprobs, replay, targets
 from evident.workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 from evident.workflow.logprobs import REFERENCE_DTYPE
 from evident.workflow.runs import EP_BACKENDS, label as run_label
-from evident.workflow.traces import first_difference, token_at
-from evident.workflow.verdicts import SEVERITY, worst as worst_verdict
+from evident.workflow.traces import REPLACEMENT, UNDECODABLE, first_difference, token_at
+from evident.workflow.verdicts import NEAR_TIE, SEVERITY, worst as worst_verdict
 
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
 # The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
@@ -75,6 +78,11 @@ def compare_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict |
     return verdict, div
 
 
+# a text-level divergence where the oracle's text holds U+FFFD by then: text cannot show whether the tokens differ
+UNDECODABLE_HINT = (f"the oracle's text holds U+FFFD by here: {UNDECODABLE}; text cannot show whether the tokens "
+                    "differ: compare at token level, or on a trained checkpoint whose text is UTF-8")
+
+
 def text_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | None]:
     """A text-level target's case (its server took or returned no token ids): rows must agree, then row 0's text
     against the oracle's completion as a server returns it (oracle `served_text`). Equal is `text_only`: weaker than
@@ -93,6 +101,8 @@ def text_case(oracle: dict, case: dict, near_tie: float) -> tuple[str, dict | No
     div = {"case": case["name"], "row": 0, "level": "text", "char": char, "step": step,
            "oracle_text": want[char:char + 24], "target_text": got[char:char + 24],
            "oracle_token": token_at(oracle["generated_ids"], step), "oracle_margin": margin}
+    if REPLACEMENT in want[:char + 1]:
+        div["hint"] = UNDECODABLE_HINT
     return ("near_tie_divergence" if margin is not None and margin < near_tie else "engine_accuracy_gap"), div
 
 
@@ -207,6 +217,41 @@ def target_checks(run: dict, dtypes: list[str], campaign: str) -> tuple[list[str
     return have, why
 
 
+DESCRIBED = ("engine", "recipe", "version", "args", "weights_dtype", "kv_cache_dtype", "converted", "model")  # what ran
+
+
+def cache_below(target: dict) -> bool:
+    """The target declares a KV cache in a dtype that rounds more than the one it computes in."""
+    cache = target.get("kv_cache_dtype")
+    return cache is not None and NEAR_TIE[cache] > NEAR_TIE[target["dtype"]]
+
+
+def pair_cells(runs: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
+    """Each variant pair's row 0, per batch size and case: ids token for token where both are token level, else the
+    text each served."""
+    by = {(r["backend"], r["batch"]): r for r in runs}
+    out = []
+    for a, b in pairs:
+        for (name, batch), run in sorted(by.items()):
+            other = by.get((b, batch))
+            if name != a or other is None:
+                continue
+            token = run["target"]["level"] == other["target"]["level"] == "token"
+            theirs = {c["name"]: c for c in other["cases"]}
+            for case in run["cases"]:
+                x, y = case["rows"][0], theirs[case["name"]]["rows"][0]
+                x, y = (x["generated_ids"], y["generated_ids"]) if token else (x.get("served_text", x["text"]),
+                                                                             y.get("served_text", y["text"]))
+                at, div = first_difference(x, y), None
+                if at is not None:
+                    div = {"case": case["name"], "row": 0, "pair": [a, b], ("step" if token else "char"): at,
+                           a: token_at(x, at) if token else x[at:at + 24], b: token_at(y, at) if token else y[at:at + 24]}
+                out.append({"backend": f"{a} vs {b}", "kernels": "pair", "batch": batch, "case": case["name"],
+                            "pair": [a, b], "level": "token" if token else "text", "first_divergence": div,
+                            "verdict": "variant_mismatch" if div else "all_token_text_exact"})
+    return out
+
+
 def transport_cells(runs: list[dict]) -> list[dict]:
     """host-staged against collective, per kernels setting, batch size and case (row 0 of each)."""
     by = {(r["backend"], kernels_of(r), r["batch"]): {c["name"]: c for c in r["cases"]} for r in runs}
@@ -237,8 +282,9 @@ def ragged_cells(runs: list[dict]) -> list[dict]:
 
 
 def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic_tolerance: float = LOGIC_TOLERANCE,
-            precision_bound: float = PRECISION_BOUND) -> dict:
-    """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (logprobs.near_tie_margin)."""
+            precision_bound: float = PRECISION_BOUND, pairs: list[tuple[str, str]] | None = None) -> dict:
+    """The comparison; near_tie: a fixed near-tie margin, or None for the dtype's, measured (logprobs.near_tie_margin);
+    pairs: the variant pairs (targets.pairs)."""
     by_name = {c["name"]: c for c in oracle["cases"]}
     for c in oracle["cases"]:
         check_hashes(f"oracle case {c['name']}", c)
@@ -262,14 +308,16 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
             if oracle["dtype"] in errs:
                 engine[case["name"]] = errs[oracle["dtype"]]
             verdict, div = text_case(o, case, margin) if level == "text" else compare_case(o, case, margin)
-            checked = None
+            free, checked = verdict, None
             if verdict != "batch_row_mismatch" and level == "token":  # the forced checks decide unless already worse
                 bad, detail, checked = check_forced(o, case, have, errs.get(REFERENCE_DTYPE), logic_tolerance)
                 logic += errs.get(REFERENCE_DTYPE, [])
+                if bad == "engine_accuracy_gap" and target and cache_below(target):
+                    bad, detail = "kv_cache_precision_gap", {**detail, "kv_cache_dtype": target["kv_cache_dtype"]}
                 if bad is not None and SEVERITY.index(bad) > SEVERITY.index(verdict):
                     verdict, div = bad, detail
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
-                          "verdict": verdict, "first_divergence": div, "logic": checked,
+                          "verdict": verdict, "free_running": free, "first_divergence": div, "logic": checked,
                           **({"target": run["backend"], "level": level} if target else {})})
         precision = (precision_check(oracle, engine, transformers, precision_bound) if "precision" not in not_checked
                      else {"applies": False, "reason": not_checked["precision"]})
@@ -289,8 +337,10 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
                           "verdict": "precision_regression", "first_divergence": figures})
     cells += transport_cells([r for r in runs if not r.get("target")])
     cells += ragged_cells([r for r in runs if r.get("ragged")])
+    paired = pair_cells([r for r in runs if r.get("target")], pairs or [])
+    cells += paired
     worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
-    engines = {t["name"]: {"kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
+    engines = {t["name"]: {**{k: t.get(k) for k in DESCRIBED}, "kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
                            "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),
                            "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}
                for t in {r["target"]["name"]: r["target"] for r in runs if r.get("target")}.values()}
@@ -304,12 +354,18 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
         "cells": cells,
         "forced": forced,
         "targets": engines,
+        "pairs": [{"a": a, "b": b, "verdict": worst_verdict(c["verdict"] for c in paired if c["pair"] == [a, b]),
+                   "first_divergence": next((c["first_divergence"] for c in paired
+                                             if c["pair"] == [a, b] and c["first_divergence"]), None)}
+                  for a, b in pairs or []],
     }
 
 
-def compare_parity(oracle: dict, runs: list[dict], parity: dict) -> dict:
-    """compare() under a campaign's parity section, as the stage runs it: a null near_tie_margin is measured."""
-    return compare(oracle, runs, parity.get("near_tie_margin"), parity["logic_tolerance"], parity["precision_bound"])
+def compare_parity(oracle: dict, runs: list[dict], config: dict) -> dict:
+    """compare() under a campaign's config, as the stage runs it: a null near_tie_margin is measured."""
+    parity = config["parity"]
+    return compare(oracle, runs, parity.get("near_tie_margin"), parity["logic_tolerance"], parity["precision_bound"],
+                   targets.pairs(config))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -322,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     params = {"logic_tolerance": parity["logic_tolerance"], "precision_bound": parity["precision_bound"]}
     try:
         with Stage(args.evidence, "compare", params=params) as st:
-            result = compare_parity(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], parity)
+            result = compare_parity(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], config)
             st.write_json("parity/comparison.json", result)
             st.tags[gates.PARITY.tag] = result["verdict"]
             for name, t in result["targets"].items():  # each engine target's own, in MLflow too

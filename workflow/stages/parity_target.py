@@ -14,8 +14,10 @@ A forced run is recorded in the target's dtype (the entry's `dtype`, else the ca
 where that is float32, the precision check where it is the campaign's bf16 or fp16. Where a server's top log-probs
 leave out one of the oracle's top-k ids, the id's log-prob is at most the smallest listed: it is recorded as the
 value nearest the oracle's that this allows (so its error is a lower bound) and counted in `bounded`.
+What ran is recorded under `target`: the engine's name and version, its recipe and flags, its weights' and KV cache's
+dtypes, a converted file's hash (`converted`), the server's model id (a path redacted) and what it offered.
 Logs: logs/parity-<name>-server.log (a `serve` target), logs/parity-<name>-command.log and the requests and traces
-under logs/parity-<name>/ (a `command` target).
+under logs/parity-<name>/ (a `command` target), logs/<name>-gguf.log (a conversion).
 """
 
 from __future__ import annotations
@@ -28,9 +30,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from evident.engine.checkpoint import eos_ids
-from evident.workflow import checkpoints, environment, targets
+from evident.workflow import checkpoints, environment, recipes, targets
 from evident.workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256
-from evident.workflow.privacy import scrub
 from evident.workflow.traces import first_row_mismatch, token_row as parity_row
 
 
@@ -103,14 +104,14 @@ def openai_batch(client: targets.Client, name: str, oracle: dict, cases: list[di
 
 
 def command_batch(spec: dict, oracle: dict, cases: list[dict], batch: int, tok: Tokenizer, ckpt: Path, evidence: Path,
-                  dtype: str, device: str, top_k: int) -> tuple[list[dict], dict | None]:
+                  dtype: str, device: str, top_k: int, values: dict) -> tuple[list[dict], dict | None]:
     name = spec["name"]
     request = {"schema": "evident-request/1", "batch": batch, "top_k": top_k, "eos_token_ids": eos_ids(ckpt),
                "cases": [{"name": c["name"], "prompt_ids": oracle[c["name"]]["prompt_ids"],
                           "max_new_tokens": c["max_new_tokens"], "forced_ids": oracle[c["name"]]["generated_ids"],
                           "score_ids": oracle[c["name"]]["reference"]["top_ids"]} for c in cases]}
     trace = targets.run_command(spec, request, evidence / f"logs/parity-{name}", evidence / f"logs/parity-{name}-command.log",
-                                checkpoint=ckpt.resolve(), dtype=dtype, device=device)
+                                checkpoint=ckpt.resolve(), dtype=dtype, device=device, **values)
     out = []
     for case, got in zip(cases, trace["cases"]):
         ids = [r["generated_ids"] for r in got["rows"]]
@@ -138,14 +139,18 @@ def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[
         oracle = {c["name"]: c for c in oracle_doc["cases"]}
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         cases, top_k = config["cases"], oracle_doc["reference"]["top_k"]
-        info = {"name": name, "kind": kind, "dtype": dtype}
+        values, converted = targets.prepared(spec, ckpt, dtype, evidence / "logs")
+        info = {"name": name, "kind": kind, "dtype": dtype, **recipes.describe(spec), "weights_dtype": dtype,
+                "kv_cache_dtype": spec.get("kv_cache_dtype", dtype), "converted": converted}
+        print(f"[parity {name}] {info['engine'] or kind} {info['version'] or ''}".rstrip()
+              + f"; weights {dtype}, KV cache {info['kv_cache_dtype']}", flush=True)
         records = {}
         if kind == "openai":
             log = evidence / f"logs/parity-{name}-server.log"
             with targets.endpoint(spec, ckpt, dtype, device, log) as base:
                 client = targets.Client(base).connect()
-                offered = targets.offers(client, oracle[cases[0]["name"]]["prompt_ids"], top_k)
-                info |= {"level": targets.level(offered), "offers": offered, "model": scrub(str(client.model))}
+                offered = targets.offers(client, oracle[cases[0]["name"]]["prompt_ids"], top_k, spec.get("dialect", "openai"))
+                info |= {"level": targets.level(offered), "offers": offered, "model": targets.model_id(client.model)}
                 print(f"[parity {name}] {'started' if 'serve' in spec else 'at its url'}; level {info['level']}, "
                       f"offers {offered}", flush=True)
                 for b in batch_sizes:
@@ -155,8 +160,9 @@ def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[
         else:
             info["level"] = "token"
             for b in batch_sizes:
-                records[b], engine = command_batch(spec, oracle, cases, b, tok, ckpt, evidence, dtype, device, top_k)
-                info["engine"] = engine
+                records[b], engine = command_batch(spec, oracle, cases, b, tok, ckpt, evidence, dtype, device, top_k,
+                                                   values)
+                info["engine"] = info["engine"] or engine
         for b, recs in records.items():
             st.write_json(f"parity/{name}-b{b}.json", {
                 "engine": f"engines: {name} ({kind})", "backend": name, "kernels": kind, "target": info,

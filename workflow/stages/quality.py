@@ -185,6 +185,8 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
         st.write_json(gsm8k.GATE, doc)
         st.tags["quality.verdict"] = verdict
         st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
+        # completions that differ only in U+FFFD (undecodable bytes rendered otherwise): not identical, named apart
+        st.metrics["replacement_only"] = sum(len(g.get("replacement_only") or []) for g in gates)
         log(f"gate {verdict}{' (advisory)' if q['advisory'] else ''}: {doc['reason']}")
     return doc
 

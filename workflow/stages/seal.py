@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from evident.workflow import gates, privacy, tracking
-from evident.workflow.evidence import config_hash, read_config, stage_records, write_manifest, write_text
+from evident.workflow.evidence import config_hash, read_config, read_json, stage_records, write_manifest, write_text
 from evident.workflow.summary import render
 
 
@@ -34,6 +34,13 @@ def remove_stale_temps(root: Path) -> None:
     for tmp in root.rglob(".*.tmp"):
         if tmp.is_file():
             tmp.unlink()
+
+
+def target_verdicts(root: Path) -> dict[str, dict]:
+    """Each engine target's verdict and level ({name: {verdict, level}}), from parity/comparison.json `targets`."""
+    path = root / gates.PARITY.file
+    doc = read_json(path) if path.is_file() else {}
+    return {n: {"verdict": t["verdict"], "level": t["level"]} for n, t in (doc.get("targets") or {}).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         "verdict": verdict,
         "quality": verdicts.get("quality"),
         "gates": verdicts,
+        "parity_targets": target_verdicts(root),  # each engine target's, beside parity's (the worst of them)
         "tracking": track,
     })
     if ids:

@@ -5,10 +5,11 @@ A target (`bench.http.targets`, workflow.targets.bench_targets) is `engine`, the
 `engines:` (its url, or its serve command started here). For each concurrency C of `bench.http.concurrency`:
 `bench.warmup` warm-up rounds, then `bench.repeats` measured rounds, each of C streaming /v1/completions requests
 sent at once (C threads released together), every one asking exactly `bench.new_tokens` tokens (max_tokens, and
-vLLM's ignore_eos where the server takes it: `probe`). The client times each request as vLLM's `bench serve` does
-(workflow.benchstats.request_metrics: TTFT, ITL, TPOT, end-to-end latency) and counts its output tokens from the
-stream's usage (or, where the server sends none, by the checkpoint's tokenizer, as vLLM does). The prompt contracts
-are the in-process bench's: `bench.prompt` on every request, and where the campaign gives `bench.prompts`, request r
+vLLM's ignore_eos where the server takes it: `probe`; listed in `contract.request_extras` only where the server is
+seen to honour it, `contract.ignore_eos` says what was found: `eos_probe`). The client times each request as vLLM's
+`bench serve` does (workflow.benchstats.request_metrics: TTFT, ITL, TPOT, end-to-end latency) and counts its output
+tokens from the stream's usage (or, where the server sends none, by the checkpoint's tokenizer, as vLLM does). The
+prompt contracts are the in-process bench's: `bench.prompt` on every request, and where the campaign gives `bench.prompts`, request r
 of a round sends prompts[r] (cells `http-<target>-distinct-c<C>`). A cell whose requests did not each give
 new_tokens tokens, or did not stream them, is written with its raw requests and `refused` (why): no figure.
 bench_report puts the builtin engine's cells beside its in-process cells.
@@ -31,7 +32,6 @@ from tokenizers import Tokenizer
 from evident.workflow import checkpoints, environment, targets
 from evident.workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
 from evident.workflow.evidence import Stage, read_config, read_json, stage_args
-from evident.workflow.privacy import scrub
 from evident.workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
 
 USAGE = {"stream_options": {"include_usage": True}}
@@ -66,6 +66,34 @@ def probe(client: targets.Client, prompt: str) -> dict:
             if e.status >= 500:
                 raise
     return probe(EXTRAS[-1])  # none: an error now is the server's
+
+
+def stopped_early(client: targets.Client, body: dict) -> bool | None:
+    """Whether a streamed completion ended before its max_tokens: its usage's token count, else its last
+    finish_reason (`stop`: no stop strings are sent, so an EOS); None where the stream says neither."""
+    finish, tokens = None, None
+    for _, event in client.stream(body):
+        for choice in event.get("choices") or []:
+            finish = choice.get("finish_reason") or finish
+        if (n := (event.get("usage") or {}).get("completion_tokens")) is not None:
+            tokens = int(n)
+    if tokens is not None:
+        return tokens < body["max_tokens"]
+    return {"stop": True, "length": False}.get(finish)
+
+
+def eos_probe(client: targets.Client, extra: dict, texts: list[str], max_tokens: int) -> str:
+    """Whether a server that takes ignore_eos honours it (llama.cpp's accepts it and stops at EOS anyway): a prompt
+    of the contract's that stops early without it must reach max_tokens with it. `honoured`, `ignored` (it stopped
+    early with it too), or `unverified` (no prompt of the contract met EOS within max_tokens without it, or the
+    stream said neither how many tokens nor why it ended)."""
+    plain = {k: v for k, v in extra.items() if k != "ignore_eos"}
+    for text in dict.fromkeys(texts):
+        body = {"prompt": text, "max_tokens": max_tokens, **plain}
+        if stopped_early(client, body):
+            with_it = stopped_early(client, {**body, "ignore_eos": True})
+            return {True: "ignored", False: "honoured"}.get(with_it, "unverified")
+    return "unverified"
 
 
 def one_request(client: targets.Client, body: dict, start: Callable[[], float], tok: Tokenizer,
@@ -109,13 +137,15 @@ def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict
 
 
 def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concurrency: int, extra: dict,
-             dtype: str, device: str | None) -> dict:
+             dtype: str, device: str | None, eos: str = "refused") -> dict:
     """What a cell measured, with the in-process bench's prompt keys (workflow.stages.bench), so that the builtin
-    engine's cells stand beside its in-process ones (benchstats.SIDE_BY_SIDE_KEYS)."""
+    engine's cells stand beside its in-process ones (benchstats.SIDE_BY_SIDE_KEYS). `request_extras`: those sent
+    that the server honours (ignore_eos only where `eos`, eos_probe's finding or `refused`, is `honoured`)."""
     ids = [tok.encode(t).ids for t in texts]  # as engine.serve and the in-process bench encode a text prompt
     return {"prompts": prompts, **prompt_keys(texts, ids, prompts), "new_tokens": bench["new_tokens"], "warmup": bench["warmup"],
             "repeats": bench["repeats"], "concurrency": concurrency, "api": "/v1/completions, stream: true, greedy",
-            "request_extras": sorted(extra), "timer": "perf_counter on the client, at each server-sent event",
+            "request_extras": sorted(k for k in extra if k != "ignore_eos" or eos == "honoured"), "ignore_eos": eos,
+            "timer": "perf_counter on the client, at each server-sent event",
             "dtype": dtype, "device": device}
 
 
@@ -161,8 +191,14 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
             client = targets.Client(base).connect()
             ready_s = time.perf_counter() - t0
             extra = probe(client, bench["prompt"])
+            eos = "refused"
+            if "ignore_eos" in extra:
+                contract_texts = [bench["prompt"], *(bench.get("prompts") or [])]
+                eos = eos_probe(client, extra, contract_texts, bench["new_tokens"])
+                if eos == "ignored":  # not sent: it does nothing there
+                    extra = {k: v for k, v in extra.items() if k != "ignore_eos"}
             log(f"{'started' if builtin or 'serve' in spec else 'at its url'}, ready after {ready_s:.1f}s; "
-                f"request extras: {sorted(extra) or 'none'}")
+                f"request extras: {sorted(extra) or 'none'}; ignore_eos {eos}")
             for prompts in bench_contracts(bench):
                 for c in bench["http"]["concurrency"]:
                     texts = prompt_texts(bench, c, prompts)
@@ -171,8 +207,8 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
                     st.write_json(f"bench/{label}.json", {
                         "target": name, "kind": kind, "concurrency": c,
                         **({"kernels": bench["kernels"]} if builtin else {}), "dtype": dtype, "device": where,
-                        "contract": contract(bench, texts, tok, prompts, c, extra, dtype, where),
-                        "server": {"ready_s": round(ready_s, 3), "model": scrub(str(client.model)),
+                        "contract": contract(bench, texts, tok, prompts, c, extra, dtype, where, eos),
+                        "server": {"ready_s": round(ready_s, 3), "model": targets.model_id(client.model),
                                    "started": "here" if builtin or "serve" in spec else "url"},
                         **cell, "versions": versions, "model": model})
                     if (s := cell["stats"]) is not None:
