@@ -89,9 +89,9 @@ def test_a_partial_config_without_a_base_is_refused_naming_what_is_missing():
     assert msg.splitlines()[0] == (
         f"invalid campaign config at `checkpoint.config`: missing field(s) {', '.join(missing)}: transformers would "
         "take its defaults for them (here: 5.41 B parameters); give every field, or set checkpoint.base "
-        "(deepseek-v2-lite, deepseek-v4-flash, deepseek-v4-tiny, moonlight-16b-a3b, tiny, tiny-mla576) and keep checkpoint.config for the fields that differ."), msg
+        f"({', '.join(models())}) and keep checkpoint.config for the fields that differ."), msg
     assert "hidden_size" in missing and "rope_scaling" not in required_fields()  # absent: plain RoPE
-    assert "no model: set checkpoint.base (deepseek-v2-lite, deepseek-v4-flash, deepseek-v4-tiny, moonlight-16b-a3b, tiny) or give checkpoint.config in full" in rejected(
+    assert f"no model: set checkpoint.base ({', '.join(models())}) or give checkpoint.config in full" in rejected(
         {"campaign": "mini", "cases": CASES})
 
 

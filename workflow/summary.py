@@ -51,8 +51,6 @@ def divergence(d: dict) -> str:
     return f"{where}row {d['row']} {_at(d)}: {d['row_token']} vs row 0 {d['row0_token']}"
 
 
-
-
 def pair_divergence(a: str, b: str, d: dict) -> str:
     """A variant pair's first divergence (compare's pair_cells: row 0 of each, tokens or served text)."""
     if "char" in d:
