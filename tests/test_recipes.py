@@ -18,6 +18,7 @@ import yaml
 
 import tinyev
 from campaigns import SCHEMA, overridden, rejected
+from test_serve_bench import Fake
 from evident.workflow import recipes, targets
 from evident.workflow.campaign import evidence_config, validate_campaign
 from evident.workflow.evidence import read_json
@@ -54,6 +55,11 @@ def test_a_recipe_is_one_line_that_expands_to_the_engines_launch_with_a_deepseek
     assert "--kv-type f16" in lowered["command"]
     v16, = expanded({"name": "v", "recipe": "vllm", "kv_cache_dtype": "float16"})
     assert "--kv-cache-dtype float16" in v16["serve"]["command"]
+
+
+def test_the_schemas_recipes_are_the_recipes_written():
+    schema = yaml.safe_load((REPO / "config/schema.yaml").read_text())
+    assert schema["properties"]["engines"]["items"]["properties"]["recipe"]["enum"] == list(recipes.RECIPES)
 
 
 def test_a_recipe_whose_engine_is_not_installed_is_refused_naming_make_engines(tmp_path, monkeypatch):
@@ -112,30 +118,16 @@ def test_a_servers_readiness_limit_is_the_entrys_and_named_in_the_error(tmp_path
             pass
 
 
-class _Refusing(http.server.BaseHTTPRequestHandler):
+class _Refusing(Fake):
     """llama.cpp's server as parity meets it: models listed, a prompt of ids answered 500, text answered."""
     text_fails = False
-
-    def _send(self, code: int, doc: dict) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send(200, {"data": [{"id": "m"}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if isinstance(body["prompt"], list) or self.text_fails:
-            self._send(500, {"error": "prompt must be a string"})
+            self.reply(500, {"error": "prompt must be a string"})
         else:
-            self._send(200, {"choices": [{"text": " ok", "finish_reason": "length"}]})
-
-    def log_message(self, *args):
-        pass
+            self.reply(200, {"choices": [{"text": " ok", "finish_reason": "length"}]})
 
 
 @pytest.fixture

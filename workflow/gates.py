@@ -47,6 +47,11 @@ def document(gate: Gate, files) -> str | None:
 PARITY = BY_NAME["parity"]
 
 
+def target_verdicts(comparison: dict) -> dict[str, dict]:
+    """Each engine target's verdict and level ({name: {verdict, level}}), from parity/comparison.json's `targets`."""
+    return {n: {"verdict": t["verdict"], "level": t["level"]} for n, t in (comparison.get("targets") or {}).items()}
+
+
 def verdicts(records: list[dict]) -> dict[str, str]:
     """{gate: verdict} from the stage records' `<gate>.verdict` tags, for the gates whose stage ran."""
     tags = {k: v for r in records for k, v in r.get("tags", {}).items()}

@@ -21,7 +21,9 @@ from evident.workflow.evidence import canonical_json, make_dirs, sha256_bytes, s
 
 SHIM = Path(__file__).resolve().parent / "adapters" / "gguf_convert.py"
 SCRIPT = "convert_hf_to_gguf.py"
-OUTTYPES = ("f32", "f16", "bf16")
+GGML = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # ggml's type names: outtypes, llama.cpp's KV types
+OUTTYPES = tuple(GGML.values())
+CACHE = Path(".evident/gguf")  # the converted files, under the working directory
 
 
 class ConvertError(RuntimeError):

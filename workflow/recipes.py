@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evident.workflow.gguf import GGML
+
 ENGINES = Path(".engines")  # `make engines`' folder, under the working directory the campaign runs in
 ADAPTERS = Path(__file__).resolve().parent / "adapters"
 VERSION_TIMEOUT_S = 120  # importing vLLM to read its version takes seconds
@@ -62,7 +64,6 @@ def q_lora_rank(flag: str):
 
 
 _LLAMA_TYPES = {"float32": "0", "float16": "1", "bfloat16": "30"}  # ggml's type ids, as llama_cpp.server takes them
-_LLAMA_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 RECIPES = {r.name: r for r in (
     Recipe("vllm", "vLLM", "openai", module="vllm", env_dir="vllm",
@@ -81,7 +82,7 @@ RECIPES = {r.name: r for r in (
     Recipe("llama-cpp", "llama.cpp (Python API)", "command", module="llama_cpp", env_dir="llama-cpp", weights="gguf",
            template="{engine_python} {adapters}/llama_cpp.py --model {gguf} --request {request} --out {out} "
                     "--threads {threads}",
-           kv_cache={d: ["--kv-type", n] for d, n in _LLAMA_NAMES.items()}, overrides=(q_lora_rank("--kv-override"),),
+           kv_cache={d: ["--kv-type", n] for d, n in GGML.items()}, overrides=(q_lora_rank("--kv-override"),),
            measured="CPU (llama-cpp-python 0.3.36, float32)"),
     Recipe("llama-cpp-server", "llama.cpp (server)", "openai", module="llama_cpp", env_dir="llama-cpp",
            weights="gguf", dialect="text",
@@ -97,7 +98,6 @@ RECIPES = {r.name: r for r in (
                     "--dtype {dtype} --device {device} {checkpoint}",
            measured="CPU (transformers 5.25, float32; make test)"),
 )}
-NAMES = sorted(RECIPES)
 MADE = ("vllm", "llama-cpp")  # the environments `make engines` installs
 
 
@@ -184,9 +184,10 @@ def version(entry: dict) -> str | None:
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def describe(entry: dict) -> dict:
-    """What ran, for the evidence: the engine's name and version, the recipe, its flags, the dtypes."""
+def describe(entry: dict, dtype: str) -> dict:
+    """What ran, for the evidence: the engine's name and version, the recipe, its flags, the dtypes (dtype: what the
+    target computes in; its KV cache's the same unless the entry says otherwise)."""
     r = RECIPES.get(entry.get("recipe", ""))
     return {"engine": r.engine if r else None, "recipe": r.name if r else None, "version": version(entry),
-            "args": list(entry.get("args", [])), "weights_dtype": entry.get("dtype"),
-            "kv_cache_dtype": entry.get("kv_cache_dtype"), "measured": r.measured if r else None}
+            "args": list(entry.get("args", [])), "weights_dtype": dtype,
+            "kv_cache_dtype": entry.get("kv_cache_dtype", dtype), "measured": r.measured if r else None}

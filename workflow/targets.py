@@ -232,10 +232,6 @@ def threads() -> int:
         return os.cpu_count() or 1
 
 
-GGUF_CACHE = Path(".evident/gguf")
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # the converter's --outtype
-
-
 def prepared(spec: dict, ckpt: Path, dtype: str, logs: Path) -> tuple[dict, dict | None]:
     """The values a target's template takes beyond the common ones, and the converted weights' record (None: the
     checkpoint as it is): `{gguf}` converts the checkpoint with llama.cpp's own converter, in the engine's
@@ -247,7 +243,7 @@ def prepared(spec: dict, ckpt: Path, dtype: str, logs: Path) -> tuple[dict, dict
     # llama.cpp's converter, as `make engines` unpacks it beside the engine's environment
     converter = Path(python).parents[1] / "convert"
     try:
-        converted = gguf.convert(Path(ckpt), python, converter, GGUF_TYPES[dtype], GGUF_CACHE,
+        converted = gguf.convert(Path(ckpt), python, converter, gguf.GGML[dtype], gguf.CACHE,
                                  logs / f"{spec['name']}-gguf.log")
     except gguf.ConvertError as e:
         raise TargetError(f"target {spec['name']}: {e}") from None
@@ -374,15 +370,16 @@ def engine_server(ckpt: Path, device: str, dtype: str, log: Path, code: Path = R
 
 
 @contextlib.contextmanager
-def endpoint(spec: dict, ckpt: Path, dtype: str, device: str, log: Path):
+def endpoint(spec: dict, ckpt: Path, dtype: str, device: str, log: Path, values: dict | None = None):
     """An `openai` target's base URL: its `url`, or its `serve` command started here (log: its output), with its
-    `env` and `ready_timeout_s`."""
+    `env` and `ready_timeout_s`; values: its `prepared` values where the caller has them already."""
     if "url" in spec:
         yield spec["url"].rstrip("/")
         return
     serve = spec["serve"]
     port = serve.get("port") or free_port()
-    values, _ = prepared(spec, ckpt, dtype, log.parent)
+    if values is None:
+        values, _ = prepared(spec, ckpt, dtype, log.parent)
     argv = fill(serve["command"], port=port, checkpoint=Path(ckpt).resolve(), dtype=dtype, device=device, **values)
     with served(argv, port, log, f"target {spec['name']}'s server", serve.get("ready") or READY_PATH,
                 env=environ(spec), timeout=spec.get("ready_timeout_s") or READY_TIMEOUT_S) as (base, _):

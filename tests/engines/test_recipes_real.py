@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import tinyev
-from evident.workflow import recipes, targets
+from evident.workflow import gguf, recipes
 from evident.workflow.campaign import model_config
 from evident.workflow.evidence import read_json
 from evident.workflow.stages import compare, oracle as oracle_stage, parity_target
@@ -57,7 +57,7 @@ def held(shared, spec: dict, batch_sizes=(1, 2)) -> dict:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama")
-    targets.GGUF_CACHE = root / "gguf"  # not the working directory's cache
+    gguf.CACHE = root / "gguf"  # not the working directory's cache
     return campaign(root, "tiny")
 
 

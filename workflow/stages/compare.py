@@ -232,10 +232,8 @@ def pair_cells(runs: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
     by = {(r["backend"], r["batch"]): r for r in runs}
     out = []
     for a, b in pairs:
-        for (name, batch), run in sorted(by.items()):
-            other = by.get((b, batch))
-            if name != a or other is None:
-                continue
+        for batch in sorted(n for name, n in by if name == a and (b, n) in by):
+            run, other = by[(a, batch)], by[(b, batch)]
             token = run["target"]["level"] == other["target"]["level"] == "token"
             theirs = {c["name"]: c for c in other["cases"]}
             for case in run["cases"]:

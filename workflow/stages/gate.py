@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from evident.workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json, write_text
-from evident.workflow.gates import GATES, PARITY, document
+from evident.workflow.gates import GATES, PARITY, document, target_verdicts
 from evident.workflow.runs import STAGES
 from evident.workflow.summary import divergence
 
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         failed.append(f"parity.require_exact is set and the verdict is {parity}")
     verdicts = {g.name: docs[g.name]["verdict"] if g.name in docs else None for g in GATES}
     advisory = sorted(n for n, d in docs.items() if d.get("advisory") and d["verdict"] != "pass")
-    engines = {n: {"verdict": t["verdict"], "level": t["level"]}
-               for n, t in (docs.get(PARITY.name, {}).get("targets") or {}).items()}
+    engines = target_verdicts(docs.get(PARITY.name, {}))
     write_json(args.out, {"evidence": str(args.evidence), "passed": not failed, "failed": failed, "verdicts": verdicts,
                           "advisory": advisory,
                           "not_run": [g.name for g in GATES if g.stage not in config.get("stages", STAGES)],

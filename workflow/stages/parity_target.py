@@ -140,14 +140,13 @@ def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         cases, top_k = config["cases"], oracle_doc["reference"]["top_k"]
         values, converted = targets.prepared(spec, ckpt, dtype, evidence / "logs")
-        info = {"name": name, "kind": kind, "dtype": dtype, **recipes.describe(spec), "weights_dtype": dtype,
-                "kv_cache_dtype": spec.get("kv_cache_dtype", dtype), "converted": converted}
+        info = {"name": name, "kind": kind, "dtype": dtype, **recipes.describe(spec, dtype), "converted": converted}
         print(f"[parity {name}] {info['engine'] or kind} {info['version'] or ''}".rstrip()
               + f"; weights {dtype}, KV cache {info['kv_cache_dtype']}", flush=True)
         records = {}
         if kind == "openai":
             log = evidence / f"logs/parity-{name}-server.log"
-            with targets.endpoint(spec, ckpt, dtype, device, log) as base:
+            with targets.endpoint(spec, ckpt, dtype, device, log, values) as base:
                 client = targets.Client(base).connect()
                 offered = targets.offers(client, oracle[cases[0]["name"]]["prompt_ids"], top_k, spec.get("dialect", "openai"))
                 info |= {"level": targets.level(offered), "offers": offered, "model": targets.model_id(client.model)}

@@ -36,13 +36,6 @@ def remove_stale_temps(root: Path) -> None:
             tmp.unlink()
 
 
-def target_verdicts(root: Path) -> dict[str, dict]:
-    """Each engine target's verdict and level ({name: {verdict, level}}), from parity/comparison.json `targets`."""
-    path = root / gates.PARITY.file
-    doc = read_json(path) if path.is_file() else {}
-    return {n: {"verdict": t["verdict"], "level": t["level"]} for n, t in (doc.get("targets") or {}).items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--evidence", required=True, type=Path)
@@ -66,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     records = stage_records(root)
     verdicts = gates.verdicts(records)
     verdict = verdicts.get(gates.PARITY.name)
+    comparison = root / gates.PARITY.file
+    engines = gates.target_verdicts(read_json(comparison) if comparison.is_file() else {})
 
     ids, track = None, {"status": "disabled"}
     if not args.no_tracking:
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         "verdict": verdict,
         "quality": verdicts.get("quality"),
         "gates": verdicts,
-        "parity_targets": target_verdicts(root),  # each engine target's, beside parity's (the worst of them)
+        "parity_targets": engines,  # each engine target's, beside parity's (the worst of them)
         "tracking": track,
     })
     if ids:
