@@ -151,3 +151,25 @@ def test_two_vllm_entries_are_a_variant_pair(vllm):
     twin = read_json(vllm[1] / "parity/vllm-eager-b1.json")
     result = compare.compare(vllm[3], [eager, twin], pairs=[("vllm", "vllm-eager")])
     assert result["pairs"][0]["verdict"] == "all_token_text_exact"
+
+
+@pytest.fixture(scope="module")
+def vllm_bf16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-bf16")
+    spec = {**tinyev.synthetic(), "config": model_config("tiny-mla576")}
+    cfg = tinyev.config(parity={**PARITY, "batch_sizes": [1]}, checkpoint=spec, dtype="bfloat16")
+    ckpt, ev = tinyev.make(root, cfg)
+    oracle_stage.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
+    return ckpt, ev, cfg, read_json(ev / "oracle/hf.json")
+
+
+@installed("vllm")
+def test_in_a_bf16_campaign_vllm_passes_the_precision_check_and_its_routing_defect_fails_it(vllm_bf16):
+    """bf16 hides a logic bug under rounding: the forced run's error over transformers' own bf16 error names it."""
+    good = held(vllm_bf16, vllm_entry(vllm_bf16, "vllm-bf16"), (1,))
+    assert good["verdict"] == "all_token_text_exact" and good["forced"][0]["precision"]["pass"]
+    overrides = json.dumps({"n_group": 1, "topk_group": 1, "num_experts_per_tok": 1})
+    bad = held(vllm_bf16, vllm_entry(vllm_bf16, "vllm-bf16-routing", args=["--hf-overrides", overrides]), (1,))
+    assert bad["verdict"] == "precision_regression" and not bad["forced"][0]["precision"]["pass"]
+    print(f"vLLM bf16: precision ratio {good['forced'][0]['precision']['ratio']:.3f}; routing override "
+          f"{bad['forced'][0]['precision']['ratio']:.3f} (bound {bad['precision_bound']})")
