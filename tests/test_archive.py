@@ -20,8 +20,8 @@ import pytest
 import cluster
 import handbuilt
 import headless
-from evident.workflow import archive, cli, diff
-from evident.workflow.evidence import MANIFEST, Stage, write_json, write_manifest
+from evident.workflow import archive, cli, diff, locks
+from evident.workflow.evidence import FAILED, INTERRUPTED, MANIFEST, Stage, write_json, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -31,6 +31,11 @@ def evident(capsys, *args: str) -> tuple[int, str, str]:
     code = cli.main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def rows(out: str) -> list[list[str]]:
+    """Each line of the output split into words."""
+    return [line.split() for line in out.splitlines()]
 
 
 @pytest.fixture
@@ -102,7 +107,8 @@ def test_any_part_of_an_id_addresses_it(arch, capsys):
     assert archive.resolve("tiny/c1", arch) == arch / "tiny/aaaaaaa-c11111111-r1"
     assert archive.resolve("evidence/tiny/c2", arch) == arch / "tiny/aaaaaaa-c22222222-r1"
     code, out, err = evident(capsys, "show", "c2222")
-    assert code == 0 and err == "" and "tiny/aaaaaaa-c22222222-r1" in out and "parity: near_tie_divergence" in out
+    assert code == 0 and err == "" and "tiny/aaaaaaa-c22222222-r1" in out
+    assert ["parity", "near_tie_divergence", "pass"] in rows(out)
     code, out, _ = evident(capsys, "verify", "c1111", "3333")
     assert (code, out) == (0, "ok    tiny/aaaaaaa-c11111111-r1\nok    gpu/bbbbbbb-c33333333-r1\n")
 
@@ -175,13 +181,14 @@ def test_ls_lists_newest_first_with_each_verdict(arch, capsys):
     code, out, _ = evident(capsys, "ls")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["campaign", "id", "created", "(UTC)", "commit", "device", "parity", "mlflow", "state"]
+    assert lines[0].split() == ["campaign", "id", "created", "(UTC)", "device", "gates", "mlflow", "status"]
     ids = [line.split()[1] for line in lines[2:]]
     assert ids == ["ccccccc-c44444444-r1", "bbbbbbb-c33333333-r1", "aaaaaaa-c22222222-r1", "aaaaaaa-c11111111-r1"]
-    assert "near_tie_divergence" in lines[4] and "pending" in lines[4] and "2026-01-02 00:00:00Z" in lines[4]
-    assert lines[2].split()[-1] == "unsealed"  # its stage records give its date: it is the newest
+    assert lines[4].split()[2:] == ["2026-01-02", "00:00", "cpu", "pass", "pending", "sealed"]
+    assert lines[2].split()[-2:] == ["—", "interrupted"]  # its stage records give its date: it is the newest
     code, out, _ = evident(capsys, "ls", "--campaign", "gpu")
     assert code == 0 and "bbbbbbb" in out and "aaaaaaa" not in out
+    assert out.splitlines()[0] == lines[0]  # the same columns, whatever is listed
     code, _, err = evident(capsys, "ls", "--campaign", "nope")
     assert code == 2 and "no campaign 'nope' under evidence/" in err
 
@@ -189,15 +196,72 @@ def test_ls_lists_newest_first_with_each_verdict(arch, capsys):
 def test_show_prints_the_summary_and_errors_name_what_was_not_found(arch, capsys):
     code, out, _ = evident(capsys, "show", "aaaaaaa-c2")
     assert code == 0
-    assert "tiny/aaaaaaa-c22222222-r1" in out and "parity: near_tie_divergence" in out
-    assert "### Claim boundary" in out and "bench_report" in out
+    assert out.startswith("tiny/aaaaaaa-c22222222-r1: sealed\n")
+    assert ["parity", "near_tie_divergence", "pass"] in rows(out) and ["audit", "—", "—"] in rows(out)
+    assert ["parity.cells", "1"] in rows(out) and ["single-b1", "10", "100.0", "no"] in rows(out)
+    assert ["bench_report", "ok"] in [r[:2] for r in rows(out)]
+    assert ["report", "SUMMARY.md", "there,"] in [r[:3] for r in rows(out)] and "###" not in out
+    code, out, _ = evident(capsys, "show", "aaaaaaa-c2", "--markdown")
+    assert code == 0 and out.startswith("## Evidence: `tiny` / `aaaaaaa-c22222222-r1`") and "### Claim boundary" in out
     code, out, err = evident(capsys, "show", "nope")
     assert code == 2 and out == ""
     assert err.strip() == "evident: no evidence directory matches 'nope' under evidence/; `evident ls` lists them"
     code, _, err = evident(capsys, "show", "aaa")
     assert code == 2 and "matches 2 directories" in err
     code, out, _ = evident(capsys, "show", "ccc")
-    assert code == 0 and "unsealed" in out
+    assert code == 0 and out.startswith("tiny/ccccccc-c44444444-r1: interrupted\n")
+    (arch / "tiny/ccccccc-c44444444-r1/SUMMARY.md").unlink()  # stopped before seal wrote it
+    code, out, err = evident(capsys, "show", "ccc", "--markdown")
+    assert (code, out) == (2, "") and "has no SUMMARY.md: it is interrupted, not sealed" in err
+
+
+def test_ls_tells_a_running_run_from_a_stopped_one(arch, capsys):
+    """Unsealed is running while a snakemake holds the directory's lock (workflow/locks.py; the kernel drops it with
+    its process), else interrupted, or failed where a stage failed."""
+    ev = arch / "tiny/ccccccc-c44444444-r1"
+    lock = archive.lock_of(ev)
+    assert lock == Path(".evident/locks/tiny/ccccccc-c44444444-r1.lock")
+
+    def status() -> str:
+        code, out, _ = evident(capsys, "ls", "--campaign", "tiny")
+        return next(line.split()[-1] for line in out.splitlines() if ev.name in line)
+
+    held = locks.take(lock)
+    try:
+        assert status() == archive.RUNNING
+    finally:
+        locks.let_go(held, lock)
+    assert status() == INTERRUPTED
+    lock.parent.mkdir(parents=True)
+    lock.write_text("pid 1, since ...\n")  # a killed run's file, no longer held
+    assert status() == INTERRUPTED
+    with pytest.raises(KeyboardInterrupt), Stage(ev, "quality"):
+        raise KeyboardInterrupt
+    assert archive.load(ev).state == "interrupted; interrupted: quality"
+    with pytest.raises(RuntimeError), Stage(ev, "profile"):
+        raise RuntimeError("boom")
+    assert status() == FAILED and archive.load(ev).state == "failed; failed: profile; interrupted: quality"
+
+
+def test_ls_show_and_diff_fit_100_columns(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    camp, eid = "a-campaign-with-a-rather-long-name", "aaaaaaa-dirty12345678-c11111111-r1"
+    a = handbuilt.build(root, camp, eid, plot=False, cells=[handbuilt.cell(batch=b) for b in (1, 4, 8)])
+    write_json(a / "env.json", {"device": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"] * 8})
+    b = handbuilt.build(root, camp, eid.replace("r1", "r2"), plot=False, verdict="engine_accuracy_gap", seal=False,
+                        cells=[handbuilt.cell(batch=bs, tpot=8.0, spread=0.1) for bs in (1, 4, 8)])
+    with pytest.raises(ValueError), Stage(b, "quality"):
+        raise ValueError("a long error message " * 10)
+    for args in (["ls"], ["show", "r1"], ["show", "r2"], ["diff", "r1", "r2"], ["diff", "r1", "r2", "--metrics"]):
+        code, out, _ = evident(capsys, *args)
+        assert code == 0 and max(map(len, out.splitlines())) <= 100, (args, out)
+    code, out, _ = evident(capsys, "ls")
+    words = rows(out)  # the long campaign gives way, never the id
+    assert eid.replace("r1", "r2") in words[2] and words[2][-2:] == ["—", "failed"] and "FAIL" in words[2]
+    assert next(w for w in words if eid in w)[-4:] == ["GPUs", "pass", "pending", "sealed"]
+    code, out, _ = evident(capsys, "diff", "r1", "r2")
+    assert ["single-b4", "10", "8.8", "0.880", "B"] in [r[:5] for r in rows(out)]  # B's cell is noisy
 
 
 # --- verify ----------------------------------------------------------------------------------
@@ -318,13 +382,17 @@ def test_diff_fits_a_terminal_and_json_keeps_every_field(tmp_path, capsys, monke
                 st.skip("skipped because " + "of a long reason " * 10)
 
     code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert code == 0 and max(map(len, out.splitlines())) <= 100
+    assert "Stage metrics: 7 of 8 differ" in out and "shared_metric_" not in out  # their table: --metrics
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--metrics")
     assert code == 0
     lines = out.splitlines()
     assert max(map(len, lines)) <= 100, [line for line in lines if len(line) > 100]
     header = next(i for i, line in enumerate(lines) if line.startswith("cell ") and lines[i + 1].startswith("---"))
-    assert lines[header].split() == ["cell", "A", "TPOT", "p50", "(ms)", "B", "B/A", "claim"]
+    assert lines[header].split() == ["cell", "A", "TPOT", "p50", "(ms)", "B", "B/A", "noisy", "claim"]
     assert lines[header + 2].split() == ["host-staged-graph-b8", "10", "5", "0.500", "faster"]
-    assert lines[header + 3].split() == ["host-staged-graph-b64", "10", "8.8", "0.880", "no", "directional", "claim", "[1]"]
+    assert lines[header + 3].split() == ["host-staged-graph-b64", "10", "8.8", "0.880", "B", "no", "directional",
+                                         "claim", "[1]"]  # B's cell is the noisy one
     # the wide cell name wraps within its column; its row has no ratio (different contracts) and a footnote
     assert lines[header + 4].split()[1:] == ["10", "9", "—", "no", "directional", "claim", "[2]"]
     assert f"{wide}-graph-b1" in _first_column(lines)
@@ -346,7 +414,7 @@ def test_diff_fits_a_terminal_and_json_keeps_every_field(tmp_path, capsys, monke
     fast = bench["host-staged-graph-b8"]
     assert set(fast) == {"cell", "backend", "kernels", "prompts", "batch", "target", "concurrency", "a_tpot_p50_ms",
                          "b_tpot_p50_ms", "tpot_p50_ratio", "a_tok_s", "b_tok_s", "tok_s_ratio", "claim",
-                         "tpot_p50_change_pct", "tok_s_change_pct", "reason"}
+                         "tpot_p50_change_pct", "tok_s_change_pct", "reason", "probe_ratio"}
     assert (fast["backend"], fast["kernels"], fast["batch"], fast["target"]) == ("host-staged", "graph", 8, None)
     assert fast["tpot_p50_ratio"] == pytest.approx(0.5) and fast["tok_s_ratio"] == pytest.approx(2.0)
     assert fast["a_tok_s"] and fast["b_tok_s"] == pytest.approx(2 * fast["a_tok_s"]) and fast["reason"] is None
@@ -480,9 +548,13 @@ def run_evident(wd: Path, *args: str) -> subprocess.CompletedProcess:
 def test_cli_on_pipeline_evidence(pipeline, tmp_path):
     wd, ev = pipeline
     r = run_evident(wd, "ls")
-    assert r.returncode == 0 and ev.name in r.stdout and "all_token_text_exact" in r.stdout and "logged" in r.stdout
+    words = r.stdout.split()
+    assert r.returncode == 0 and ev.name in words and "pass" in words and "logged" in words and "sealed" in words
     r = run_evident(wd, "show", ev.name[:12])
-    assert r.returncode == 0 and "### Decode benchmark" in r.stdout and "parity: all_token_text_exact" in r.stdout
+    assert r.returncode == 0 and ["parity", "all_token_text_exact", "pass"] in rows(r.stdout)
+    assert max(map(len, r.stdout.splitlines())) <= 100
+    r = run_evident(wd, "show", "--markdown", ev.name[:12])
+    assert r.returncode == 0 and "### Decode benchmark" in r.stdout
     r = run_evident(wd, "verify", ev.name[:12])
     assert r.returncode == 0 and r.stdout == f"ok    tiny/{ev.name}\n"
 

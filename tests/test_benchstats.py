@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from evident.workflow.benchstats import (
+    MIN_EFFECT,
     NOISE,
+    PROBE_LIMIT,
+    UNPROBED_EFFECT,
     BenchError,
     contract_of,
     directional_claim,
@@ -43,14 +46,17 @@ VERSIONS = {"torch": "2.13.0", "triton": "3.5.0", "engine": "abc1234"}
 MODEL = {"model.safetensors": "cd" * 32, "config.json": "ef" * 32}
 
 
-def cell(medians: list[float], backend: str = "collective", batch: int = 2, **overrides) -> dict:
+def cell(medians: list[float], backend: str = "collective", batch: int = 2, probe: float | None = None,
+         **overrides) -> dict:
+    """A cell of flat repeats; `probe` gives each repeat that machine probe (ms), None none (a cell from before it)."""
+    repeats = [{**r, **({} if probe is None else {"probe_ms": probe})} for r in flat_repeats(medians)]
     doc = {
         "backend": backend,
         "batch": batch,
         "contract": copy.deepcopy(CONTRACT),
         "versions": copy.deepcopy(VERSIONS),
         "model": copy.deepcopy(MODEL),
-        "stats": summarize_cell(flat_repeats(medians), batch=batch, new_tokens=5),
+        "stats": summarize_cell(repeats, batch=batch, new_tokens=5),
     }
     doc.update(overrides)
     return doc
@@ -213,17 +219,79 @@ def test_claim_slower_with_percentages():
     assert out["reason"] is None
 
 
-def test_difference_within_noise_uses_larger_spread():
-    # baseline spread (4.16 - 4.0) / 4.0 = 0.04 (not noisy); current spread 0.
-    base = cell([4.0, 4.0, 4.16])
+def test_difference_within_the_minimum_effect_makes_no_claim():
+    # baseline spread (4.16 - 4.0) / 4.0 = 0.04 (not noisy); current spread 0; both probed alike. A quiet cell's
+    # spread is at most NOISE, under MIN_EFFECT: between two directories the minimum effect is the bound.
+    assert NOISE < MIN_EFFECT == 0.10
+    base = cell([4.0, 4.0, 4.16], probe=3.0)
     assert base["stats"]["noisy"] is False and base["stats"]["spread"] == pytest.approx(0.04)
-    within = directional_claim(cell([4.1, 4.1, 4.1]), base)  # +2.5 % <= 4 %
-    assert within["claim"] == "no directional claim"
-    assert within["reason"].startswith("difference within noise")
-    assert within["tpot_p50_change_pct"] == pytest.approx(2.5)
-    beyond = directional_claim(cell([4.2, 4.2, 4.2]), base)  # +5 % > 4 %
-    assert beyond["claim"] == "slower"
-    assert beyond["tpot_p50_change_pct"] == pytest.approx(5.0)
+    within = directional_claim(cell([4.38] * 3, probe=3.0), base)  # +9.5 % <= 10 %
+    assert within["claim"] == "no directional claim" and within["probe_ratio"] == pytest.approx(1.0)
+    assert within["reason"] == ("difference within noise (|+9.50%| <= 10.00%: the larger spread 4.00%, the minimum "
+                                "effect 10%)")
+    assert within["tpot_p50_change_pct"] == pytest.approx(9.5)
+    beyond = directional_claim(cell([4.42] * 3, probe=3.0), base)  # +10.5 % > 10 %
+    assert beyond["claim"] == "slower" and beyond["reason"] is None
+    assert beyond["tpot_p50_change_pct"] == pytest.approx(10.5)
+
+
+def test_a_cell_without_probe_compares_conservatively():
+    """A cell recorded before the probe existed: its machine is unchecked, so a claim needs UNPROBED_EFFECT, and the
+    reason says which cell lacks the probe."""
+    assert UNPROBED_EFFECT > MIN_EFFECT
+    base = cell([4.0] * 3)
+    out = directional_claim(cell([4.56] * 3, probe=3.0), base)  # +14 %: enough with probes, not without
+    assert out["claim"] == "no directional claim" and out["probe_ratio"] is None
+    assert out["reason"].startswith("difference within noise (|+14.00%| <= 15.00%")
+    assert "minimum effect 15% as the baseline cell has no machine probe" in out["reason"]
+    assert directional_claim(cell([4.56] * 3, probe=3.0), cell([4.0] * 3, probe=3.0))["claim"] == "slower"
+    assert "the current and baseline cell" in directional_claim(cell([4.56] * 3), base)["reason"]
+    assert directional_claim(cell([3.3] * 3), base)["claim"] == "faster"  # -17.5 %
+
+
+def test_identical_code_on_a_loaded_machine_makes_no_claim():
+    """The same commit run twice, the machine loaded for the second: every step slower by the load, and the probe
+    with it. Each cell is quiet inside its run, yet the difference is the machine's: no claim, and the reason says
+    so. A real slow-down on the same machine (probes alike) is still `slower`."""
+    before = cell([2.0, 2.0, 2.02], probe=3.0)
+    loaded = directional_claim(cell([2.7, 2.7, 2.72], probe=4.02), before)  # +35 % TPOT, probe 1.34x
+    assert loaded["claim"] == "no directional claim"
+    assert loaded["tpot_p50_change_pct"] == pytest.approx(35.0) and loaded["probe_ratio"] == pytest.approx(1.34)
+    # 1.1 x 1.34 ** 2 = 1.975: the machine explains up to +97.5 %
+    assert loaded["reason"] == ("difference within noise (|+35.00%| <= 97.52%: the larger spread 1.00%, the minimum "
+                                "effect 10%, times what the machine differed by: (probe 1.34x slower in current) "
+                                "** 2)")
+    gone = directional_claim(cell([2.7, 2.7, 2.72], probe=4.8), before)  # probe 1.6x: beyond PROBE_LIMIT
+    assert gone["claim"] == "no directional claim"
+    assert gone["reason"] == ("machine differed: probe 1.60x slower in current (4.800 vs 3.000 ms, beyond 1.5x); load "
+                              "or clocks changed between the runs")
+    slowed = directional_claim(cell([2.7, 2.7, 2.72], probe=3.1), before)  # the code: 1.1 x 1.033 ** 2 = 1.17 < 1.35
+    assert slowed["claim"] == "slower" and slowed["probe_ratio"] == pytest.approx(3.1 / 3.0)
+    # a machine faster for the current cell explains no slow-down: +15 % is claimed against MIN_EFFECT alone
+    assert directional_claim(cell([2.3, 2.3, 2.32], probe=2.4), before)["claim"] == "slower"
+    quicker = directional_claim(before, cell([2.7, 2.7, 2.72], probe=4.02))  # the other way round: not faster
+    assert quicker["claim"] == "no directional claim" and "(probe 1.34x faster in current) ** 2" in quicker["reason"]
+
+
+@pytest.mark.parametrize("ratio, tpot, claim", [
+    (PROBE_LIMIT - 0.001, 3.0, "faster"), (PROBE_LIMIT + 0.001, 3.0, None),  # the code faster on a slower machine
+    (1 / (PROBE_LIMIT - 0.001), 5.0, "slower"), (1 / (PROBE_LIMIT + 0.001), 5.0, None),  # slower on a faster one
+])
+def test_probe_limit_both_ways(ratio, tpot, claim):
+    out = directional_claim(cell([tpot] * 3, probe=2.0 * ratio), cell([4.0] * 3, probe=2.0))  # -25 % or +25 %
+    assert out["claim"] == (claim or "no directional claim")
+    assert claim or out["reason"].startswith("machine differed")
+
+
+def test_probe_summarized_per_cell_and_failing_closed():
+    reps = [{**r, "probe_ms": p} for r, p in zip(flat_repeats([2.0] * 3), [3.0, 5.0, 3.2])]
+    out = summarize_cell(reps, batch=1, new_tokens=5)
+    assert out["repeat_probe_ms"] == [3.0, 5.0, 3.2] and out["probe_ms"] == pytest.approx(3.2)  # the median
+    assert "probe_ms" not in summarize_cell(flat_repeats([2.0] * 3), batch=1, new_tokens=5)
+    with pytest.raises(BenchError, match="repeat 1: no probe_ms where other repeats have one"):
+        summarize_cell([reps[0], flat_repeats([2.0])[0], reps[2]], batch=1, new_tokens=5)
+    with pytest.raises(BenchError, match=r"probe_ms: sample 2 is 0\.0"):
+        summarize_cell(reps[:2] + [{**reps[2], "probe_ms": 0.0}], batch=1, new_tokens=5)
 
 
 def test_changed_contract_names_the_key():
@@ -404,3 +472,12 @@ def test_plot_rejects_empty_frame(tmp_path):
     with pytest.raises(BenchError, match="nothing to plot"):
         plot(frame, tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_rings_noisy_cells(tmp_path):
+    """host-staged b8 is noisy (spread 0.1): its points are ringed, so the PNG differs from the same frame unflagged."""
+    frame = summary_frame(grid())
+    assert frame["noisy"].sum() == 1
+    plot(frame, tmp_path / "marked.png")
+    plot(frame.assign(noisy=False), tmp_path / "quiet.png")
+    assert (tmp_path / "marked.png").read_bytes() != (tmp_path / "quiet.png").read_bytes()

@@ -17,9 +17,11 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 import handbuilt
+from test_summary import gate_rows
 from evident.workflow import checkpoints, estimate, runs
 from evident.workflow.campaign import evidence_config, models, required_fields, validate_campaign
 from evident.workflow.evidence import MANIFEST, config_hash, sha256_bytes
+from evident.workflow.summary import DETAILS, SUMMARY
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -392,6 +394,10 @@ def test_a_campaign_runs_only_its_stages(tmp_path):
     gate = json.loads(next((wd / ".evident/gates/mini").iterdir()).read_text())
     assert gate["verdicts"] == {"parity": None, "overlap": None, "audit": None, "quality": "no_claim"}
     assert gate["not_run"] == ["parity", "overlap", "audit"] and gate["advisory"] == ["quality"]
-    summary = (ev / "SUMMARY.md").read_text()
+    summary = (ev / SUMMARY).read_text()
     assert "Stages not run (the campaign's `stages:`): oracle, parity, bench, serve_bench, overlap, kernel_audit, profile." in summary
-    assert "Parity verdict" not in summary and "### GSM8K quality gate" in summary
+    rows = gate_rows(summary)
+    assert {g: r[:2] for g, r in rows.items() if g != "quality"} == dict.fromkeys(
+        ("parity", "overlap", "audit"), ["—", "not run (not in the campaign's `stages:`)"])
+    assert rows["quality"][:2] == ["`no_claim`", "**fails** (advisory: the run does not fail on it)"]
+    assert "### Parity" not in summary and "### GSM8K quality gate" in (ev / DETAILS).read_text()

@@ -228,8 +228,8 @@ def test_a_job_waits_for_a_free_device_and_cluster_jobs_are_left_alone(tmp_path)
 
 # Files whose content depends on the clock (tests/reliability/test_faults.py: TIME_VARYING): stage records, logs,
 # bench timings and what is drawn from them. Everything else must be byte-identical between the two runs.
-TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "stages/", "logs/", "bench/", "plots/bench.png", "profile/",
-                "plots/profile.png")
+TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "DETAILS.md", "stages/", "logs/", "bench/", "plots/bench.png",
+                "profile/", "plots/profile.png")
 NO_PLUGIN = "the Slurm executor plugin is not installed: pip install -e '.[cluster]' (the test extra includes it)"
 
 

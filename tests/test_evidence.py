@@ -493,6 +493,25 @@ def test_stage_failure_overwrites_previous_ok(tmp_path):
     assert rec["status"] == "failed" and "second run failed" in rec["error"]
 
 
+def test_stage_interrupt_is_recorded_as_interrupted_not_failed(tmp_path):
+    """A Ctrl-C (KeyboardInterrupt) or a SIGTERM inside a stage: `interrupted`, with the signal, and re-raised."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with evidence.Stage(tmp_path, "quality"):
+            raise KeyboardInterrupt
+    rec = evidence.read_json(tmp_path / "stages" / "quality.json")
+    assert (rec["status"], rec["reason"]) == (evidence.INTERRUPTED, "KeyboardInterrupt") and "error" not in rec
+    with pytest.raises(evidence.Interrupted):
+        with evidence.Stage(tmp_path, "bench-single"):
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in the main thread, as the stage runs
+            signal.pause()  # not reached
+    rec = evidence.read_json(tmp_path / "stages" / "bench-single.json")
+    assert (rec["status"], rec["reason"]) == (evidence.INTERRUPTED, "SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the stage's only while it runs
+
+
 def test_stage_add_file_outside_dir_rejected(tmp_path):
     (tmp_path / "ev").mkdir()
     (tmp_path / "outside.txt").write_text("x")

@@ -215,6 +215,7 @@ def test_no_shapes_skips_the_screen_with_the_reason(skipped_run, tmp_path):
     assert rec["files"] == ["overlap/screen.json", "overlap/timings.csv", "plots/overlap.png"]
     text = "\n".join(summary.overlap_section(ev))
     assert "### Overlap A/B screen (skipped)" in text and f"**Verdict: `not_measured`** — {ov.SKIP_REASON}." in text
+    assert "![" not in text  # the stage's plot is a panel of that text: no image of it
     assert seal_and_gate(ev, tmp_path / "gate.json") == "not_measured"  # a screen that did not apply fails nothing
 
 
@@ -284,7 +285,7 @@ def test_summary_section_cpu_and_gpu(cpu_run, tmp_path):
     text = "\n".join(summary.overlap_section(ev))
     assert "### Overlap A/B screen (K=2048 → 32+16+8 (float32/float32/float16)" in text
     assert "**Verdict: `not_measured`**" in text and "on 16/16 freshly drawn input sets" in text
-    assert f"Timing not measured: {ov.CPU_REASON}." in text and "plots/overlap.png" in text
+    assert f"Timing not measured: {ov.CPU_REASON}." in text and "plots/overlap.png" not in text  # nothing timed
 
     screen, rows = gpu_like_screen()
     gpu = tmp_path / "gpu"

@@ -14,7 +14,8 @@ import pytest
 
 import handbuilt
 import headless
-from evident.workflow import archive, pages
+from evident.workflow import archive, pages, summary
+from evident.workflow.evidence import Stage, write_manifest, write_text
 
 HOSTILE = "\n### Notes\n\n- case `<script>alert(1)</script>` & \"quotes\" <b>bold?</b>\n"
 
@@ -154,3 +155,24 @@ def test_trends_page_loads_in_headless_chromium(root, tmp_path):
         assert parts.scheme == "file" and Path(unquote(parts.path)).is_file(), href
     assert any(h.endswith("/_trends/tiny.csv") for h in seen["links"])
     assert (tmp_path / "trends.png").stat().st_size > 5_000
+
+
+def test_the_page_shows_details_md_with_its_plots(tmp_path):
+    """SUMMARY.md has no image (it pastes into a pull request); the page shows DETAILS.md after it, with the plots
+    its images name, each once, and no skipped stage's placeholder plot."""
+    root = tmp_path / "evidence"
+    ev = handbuilt.build(root, "tiny", "ddddddd-c44444444-r1", seal=False)
+    write_text(ev / summary.SUMMARY, "## Evidence\n\n| gate | verdict |\n|---|---|\n| parity | `all_token_text_exact` |\n")
+    write_text(ev / summary.DETAILS, "## Details\n\n### Decode benchmark\n\n![decode tok/s](plots/bench.png)\n")
+    with Stage(ev, "overlap") as st:  # a skipped stage's plot: a placeholder panel, never shown
+        st.skip("nothing to screen")
+        st.add_file(shutil.copy(ev / "plots/bench.png", ev / "plots/overlap.png"))
+    write_manifest(ev, {"evidence_id": ev.name, "campaign": "tiny", "created_utc": "2026-01-04T00:00:00Z",
+                        "git": {"commit": "d" * 40, "dirty": None}, "config_sha256": "44" * 32, "stages": {},
+                        "verdict": "all_token_text_exact", "tracking": {"status": "disabled"}})
+    pages.write_archive(root)
+    page = (root / "_pages/tiny/ddddddd-c44444444-r1.html").read_text()
+    img = '<img src="../../tiny/ddddddd-c44444444-r1/plots/bench.png"'
+    assert page.index("<h2>Summary</h2>") < page.index("<h2>Details</h2>") < page.index(img)
+    assert page.count("<img") == 1 and "<h2>Plots</h2>" not in page  # not repeated under Plots
+    assert 'href="../../tiny/ddddddd-c44444444-r1/plots/overlap.png"' in page  # listed among the files

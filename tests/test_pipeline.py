@@ -21,8 +21,11 @@ import yaml
 
 import cluster
 import tinyev
+from test_summary import assert_pasteable, gate_rows
 
 from evident.workflow.evidence import MANIFEST, config_hash, sha256_file
+from evident.workflow.stages import overlap as ov
+from evident.workflow.summary import DETAILS, SUMMARY
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -110,22 +113,37 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     resolved = yaml.safe_load((ev / "config.yaml").read_text())
     assert ev.name.split("-c")[1].startswith(config_hash(resolved)[:8])
     assert manifest["config_sha256"] == config_hash(resolved)
-    summary = (ev / "SUMMARY.md").read_text()
-    assert "all_token_text_exact" in summary and "Claim boundary" in summary
-    assert "### Decode benchmark" in summary and "![decode tok/s" in summary
-    assert "### Benchmark over HTTP" in summary and "The builtin engine in process and over HTTP" in summary
-    assert "### Overlap A/B screen (skipped)" in summary and "no auxiliary GEMV projections" in summary
-    assert "### Kernel resource audit" in summary and "Not compiled: no CUDA device" in summary
+    # SUMMARY.md pastes into a pull request: every gate first (one not run never passes), short, no relative link;
+    # the full tables and the plots are DETAILS.md's (tests/test_summary.py has the same checks on hand-built files)
+    summary, details = (ev / SUMMARY).read_text(), (ev / DETAILS).read_text()
+    assert {SUMMARY, DETAILS} <= set(manifest["files"])
+    rows = gate_rows(summary)
+    parity = rows.pop("parity")
+    assert parity[:2] == ["`all_token_text_exact`", "passes"] and re.fullmatch(r"(\d+)/\1 cells exact", parity[2])
+    assert re.fullmatch(r"`engine` (\d+)/64, `hf` \1/64 \(reference\)", rows["quality"].pop()), rows["quality"]
+    assert rows == {"overlap": ["`not_measured`", "measured nothing: not a pass", ov.SKIP_REASON],
+                    "audit": ["`not_compiled`", "measured nothing: not a pass",
+                              json.loads((ev / "kernels/audit.json").read_text())["reason"]],
+                    "quality": ["`pass`", "passes"]}
+    assert_pasteable(summary)
+    lines = summary.splitlines()
+    assert len(lines) <= 70 and max(len(line) for line in lines if line.startswith("|")) <= 200, len(lines)
+    assert "### Claim boundary" in summary and "- Does not show: quality beyond the generated arithmetic" in summary
+    assert "### Decode benchmark" in details and "![decode tok/s" in details
+    assert "### Benchmark over HTTP" in details and "The builtin engine in process and over HTTP" in details
+    assert "### Overlap A/B screen (skipped)" in details and "no auxiliary GEMV projections" in details
+    assert "overlap.png" not in summary + details  # the skipped screen's placeholder plot is not shown
+    assert "### Kernel resource audit" in details and "Not compiled: no CUDA device" in details
     # the GSM8K quality gate (embedded set, engine through its endpoint against hf) and the profile capture
     # the quality gate on the trained checkpoint: held-out generated questions, answers against gold
     assert manifest["quality"] == "pass" and manifest["stages"]["quality"] == "ok"
-    assert "### GSM8K quality gate (64 test rows, 2 shots" in summary and "**Quality verdict: `pass`**" in summary
-    assert "Compared: extracted answers (strict match) against gold" in summary and "identical completions 64/64" in summary
+    assert "### GSM8K quality gate (64 test rows, 2 shots" in details and "**Quality verdict: `pass`**" in details
+    assert "Compared: extracted answers (strict match) against gold" in details and "identical completions 64/64" in details
     hf = json.loads((ev / "quality/gsm8k-hf.json").read_text())
     assert hf["accuracy"] >= 0.5 and hf["data"]["test"]["source"] == "generated", hf
     trained = json.loads((ev / "checkpoint.json").read_text())["trained"]
     assert trained["train"]["steps"] == 800 and trained["loss"]["last"] < trained["loss"]["first"]
-    assert "### Profile capture (torch, 4 decode steps" in summary and "ncu: no CUDA device" in summary
+    assert "### Profile capture (torch, 4 decode steps" in details and "ncu: no CUDA device" in details
     cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
     assert {c["backend"] for c in cells} == {*backends, "host-staged vs collective"}
     bench = json.loads((ev / "bench/collective-b8.json").read_text())
@@ -135,7 +153,7 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     distinct = json.loads((ev / "bench/single-distinct-b8.json").read_text())
     assert distinct["rows_check"]["verdict"] == "rows_as_alone" and len(set(distinct["contract"]["prompt_tokens"])) > 1
     assert distinct["floor"]["unique_experts"]["max"] > distinct["floor"]["unique_experts"]["top_k"]
-    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in summary and "| distinct " in summary
+    assert "- `distinct`: row r the prompt `bench.prompts[r]`" in details and "| single | distinct |" in summary
 
 
 @cluster.shares_default_run
@@ -297,8 +315,9 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     assert comparison["verdict"] == "all_token_text_exact"
     assert {c["backend"] for c in comparison["cells"]} == {"single", "remote", "mine"}
     assert (ev / "quality/gsm8k-remote.json").is_file()
-    summary = (ev / "SUMMARY.md").read_text()
-    assert "`remote` (openai, token level)" in summary and "Engine targets" in summary
+    summary, details = (ev / SUMMARY).read_text(), (ev / DETAILS).read_text()
+    assert "`remote` (openai, token level)" in summary and "| engine target |" in summary
+    assert "Engine targets" in details
     assert url.split("//")[1] not in (ev / "config.yaml").read_text()  # a hash of the URL only
     for target in ("engine", "remote"):  # the builtin engine's server and the URL: every concurrency
         assert all((ev / f"bench/http-{target}-c{c}.json").is_file() for c in (1, 2)), target
@@ -306,7 +325,8 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     assert {(r["target"], r["inprocess_cell"]) for r in side} == {  # each prompt contract beside its own
         ("engine", "single-b1"), ("engine", "single-b2"), ("engine", "single-distinct-b1"),
         ("engine", "single-distinct-b2"), ("remote", "")}
-    assert "### Benchmark over HTTP" in summary and "| `remote` | same | 2 |" in re.sub(" +", " ", summary)
+    assert "### Benchmark over HTTP" in details and "| `remote` | same | 2 |" in re.sub(" +", " ", details)
+    assert "| `remote` | same |" in summary
     gate = json.loads(next((tmp_path / "wd/.evident/gates/e2e").glob("*.json")).read_text())
     assert gate["parity_targets"] == {"remote": {"verdict": "all_token_text_exact", "level": "token"},
                                       "mine": {"verdict": "all_token_text_exact", "level": "token"}}
@@ -397,8 +417,9 @@ def test_v4_campaign_runs_every_cpu_stage(v4_run):
     assert capture["tool"] == "torch" and capture["steps"] == 2
     parts = capture["floor"]["bytes"]
     assert parts["cache"] > 0 and parts["chosen_experts"] == 3 * 2 * 3 * 64 * 32 * 4  # layers x top-k x expert
-    summary = (ev / "SUMMARY.md").read_text()
-    assert "transformers DeepseekV4 oracle" in summary and "DeepSeek-V4 attention" in summary
+    summary = (ev / SUMMARY).read_text()
+    assert "transformers DeepseekV4 oracle" in summary and "DeepSeek-V4 attention" in summary  # the audit's gap
+    assert "DeepSeek-V4 attention" in (ev / DETAILS).read_text()
 
 
 def test_tracking_unreachable_still_seals_complete_evidence(v4_run):

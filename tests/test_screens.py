@@ -210,7 +210,10 @@ def test_summary_lists_each_screen(correct_run):
     assert "\n#### Overlap A/B screen (skipped)" in text
     assert ("\n#### Overlap A/B screen `doubling` (`tests.userscreens:doubling`; outputs doubled float32[8, 32], "
             "row_sum float32[8])") in text
-    assert "![overlap screen](plots/overlap-plain.png)" in text or "![overlap A/B timings](plots/overlap-plain.png)" in text
+    # a screen's plot only where it timed something (a CUDA device); a skipped screen's never
+    timed = read_json(correct_run / screens.files("plain")["screen"])["timing"]["measured"]
+    assert ("![overlap A/B timings](plots/overlap-plain.png)" in text) == timed
+    assert f"]({screens.files(screens.BUILTIN)['plot']})" not in text
 
 
 def test_a_perturbed_b_in_any_screen_fails_the_gate(tmp_path):
@@ -290,6 +293,8 @@ def test_a_campaigns_broken_screen_fails_the_run_after_sealing(tmp_path):
     recorded = yaml.safe_load((ev / "config.yaml").read_text())["screens"]
     assert [len(e["source_sha256"]) for e in recorded] == [64, 64]
     assert read_json(ev / "overlap/broken/screen.json")["source_sha256"] == recorded[1]["source_sha256"]
-    text = (ev / "SUMMARY.md").read_text()
+    text = (ev / summary.SUMMARY).read_text()
+    assert "| overlap | `bitwise_mismatch` | **fails the run** |" in text and "`broken` `bitwise_mismatch`" in text
+    text = (ev / summary.DETAILS).read_text()
     assert "### Overlap A/B screens: **`bitwise_mismatch`**" in text and "### Overlap A/B screen `broken`" in text
     assert "overlap-broken.png" in (tmp_path / f"evidence/_pages/screens/{ev.name}.html").read_text()

@@ -1,7 +1,7 @@
-"""The parent run's headline as the MLflow UI reads it: the real server `evident ui` starts (`mlflow ui` on
-loopback, SQLite backend, proxied artifacts), the evidence logged over HTTP by workflow/tracking.py, then the
-server's REST API, the one the UI calls: runs/get (metrics, tags, times), artifacts/list, get-artifact,
-experiments/get-by-name.
+"""The parent run's headline as the MLflow UI reads it: `evident ui` itself (`mlflow ui` on loopback, SQLite
+backend, proxied artifacts), the evidence logged over HTTP by workflow/tracking.py, then the server's REST API, the
+one the UI calls: runs/get (metrics, tags, times), artifacts/list, get-artifact, experiments/get-by-name. Last,
+SIGTERM to `evident ui`: one line printed in all, every process it started gone, the port closed.
 
 Needs the full mlflow package (flask); skips without it.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,35 +42,63 @@ def get(uri: str, endpoint: str, **query) -> dict:
     return body if endpoint == "get-artifact" else json.loads(body)
 
 
+def start_ui(home: Path) -> tuple[str, subprocess.Popen]:
+    """`evident ui` as a user runs it, on home/store.db and a free port, once its server answers: (URL, process)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "evident.workflow.cli", "ui", "--port", str(port),
+                             "--tracking-uri", f"sqlite:///{home / 'store.db'}"],
+                            cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    uri, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+    while True:
+        log = home / ui.LOG
+        assert proc.poll() is None, f"evident ui exited: {proc.stdout.read()} {log.read_text()[-2000:]}"
+        try:
+            if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                return uri, proc
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"mlflow ui not up: {log.read_text()[-2000:] if log.is_file() else ''}"
+        time.sleep(0.2)
+
+
+def stop_ui(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()  # evident ui stops its server's process group (test_sigterm_stops_everything_it_started)
+        proc.wait(timeout=60)
+
+
+def descendants(pid: int) -> set[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = set(), [pid]
+    while todo:
+        pid = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == pid]
+        out |= set(kids)
+        todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie serves nothing
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("mlflow-server")
-    uri = f"http://127.0.0.1:{free_port()}"
-    log = open(home / "server.log", "wb")
-    # the server `evident ui` starts (workflow/ui.py), its artifacts served from ./mlartifacts (MLflow's default)
-    proc = subprocess.Popen(ui.command(f"sqlite:///{home / 'store.db'}", int(uri.rsplit(":", 1)[1])),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+    uri, proc = start_ui(home)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"mlflow server exited: {(home / 'server.log').read_text()[-2000:]}"
-            try:
-                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"mlflow server not up: {(home / 'server.log').read_text()[-2000:]}"
-            time.sleep(0.2)
-        yield uri
+        yield uri, proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and its workers
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        stop_ui(proc)
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +107,7 @@ def _no_ambient_store(monkeypatch):
 
 
 def test_parent_run_over_the_rest_api(server, tmp_path):
+    server, _ = server
     ev = build_headline(tmp_path / "evidence")
     ids = seal(ev, server)  # log_evidence + manifest + finish, over HTTP
     assert seal(ev, server) == ids  # a replay changes nothing (checked below: each metric once)
@@ -110,3 +139,18 @@ def test_parent_run_over_the_rest_api(server, tmp_path):
     exp = get(server, "api/2.0/mlflow/experiments/get-by-name", experiment_name="head")["experiment"]
     assert exp["experiment_id"] == ids["experiment_id"]
     assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_sigterm_stops_everything_it_started(server):
+    """Run last: it stops the module's server. `mlflow ui` alone on SIGTERM leaves its workers serving the port."""
+    uri, proc = server
+    started = descendants(proc.pid)
+    assert len(started) >= 2  # mlflow ui and its uvicorn
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    lines = out.decode().splitlines()  # quiet: the URL and how to stop, no access log
+    assert len(lines) == 1 and lines[0].startswith(f"evident ui: {uri} serves ") and "Ctrl-C" in lines[0], lines
+    assert not [pid for pid in started if alive(pid)]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", int(uri.rsplit(":", 1)[1])), timeout=2).close()

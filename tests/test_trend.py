@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 import handbuilt as hb
-from evident.workflow import terminal, trend
+from evident.workflow import benchstats, terminal, trend
 from evident.workflow.evidence import Stage, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,7 +36,8 @@ def graph(c):
 
 
 # (id, created, single-b1 TPOT, single-b8 cell, hf-b1 TPOT, parity verdict). The ids do not sort in created order:
-# order is the manifest's created time. single-b1: +1% (within the noise), +18.8% (a regression), -8% (faster);
+# order is the manifest's created time. single-b1: +1% (within the noise), +18.8% (a regression), -16.7% (faster; cells without
+# a machine probe need beyond benchstats.UNPROBED_EFFECT);
 # hf-b1 is noisy (+33%, no claim); single-b8 changes versions at the third (+50%, not comparable) and becomes
 # the graph path at the fourth (a new cell, single-graph-b8).
 RUNS = [
@@ -46,7 +47,7 @@ RUNS = [
      "all_token_text_exact"),
     ("ddddddd-c11111111-r1", "2026-01-03T00:00:00Z", 12.0,
      lambda: versions_changed(hb.cell("single", 8, 30.0, NOISE)), 40.0, "near_tie_divergence"),
-    ("aaaaaaa-c11111111-r1", "2026-01-04T00:00:00Z", 11.0, lambda: graph(hb.cell("single", 8, 15.0, NOISE)), 40.0,
+    ("aaaaaaa-c11111111-r1", "2026-01-04T00:00:00Z", 10.0, lambda: graph(hb.cell("single", 8, 15.0, NOISE)), 40.0,
      "precision_regression"),
 ]
 ORDER = [r[0] for r in RUNS]
@@ -129,7 +130,7 @@ def test_regression_flagged_exactly_where_slower_beyond_the_noise(root, capsys):
     assert pd.isna(other["tpot_p50_change_pct"])
     # the terminal: one regression, in the table and in the list under it
     assert out.count("▲") == 2 and "12.120 ▲" in out and "10.302 ▲" not in out
-    assert "30.300 ≠" in out and "44.000 ~" in out and "11.110 ▼" in out
+    assert "30.300 ≠" in out and "44.000 ~" in out and "10.100 ▼" in out
     assert "(TPOT p50 slower beyond the noise, against the previous directory with the cell): 1" in out
     line = next(x for x in out.splitlines() if x.startswith("single-b1") and "#3 ddddddd" in x)
     assert "#2" in line and "+18.8%" in line
@@ -251,3 +252,36 @@ def test_directories_in_commit_order_where_the_history_has_every_commit(tmp_path
     hb.build(root, "tiny", "fffffff-c11111111-r1", created="2026-01-04T00:00:00Z")
     entries, ordered_by = trend.directories(root, "tiny")
     assert ordered_by == "created" and [e.commit for e in entries] == [*commits[::-1], "fffffff"]
+
+
+def probed(c, probe_ms):
+    """A handbuilt cell whose every repeat ran after a machine probe of `probe_ms` (stages/bench.py)."""
+    c["repeats"] = [{**r, "probe_ms": probe_ms} for r in c["repeats"]]
+    c["stats"] = benchstats.summarize_cell(c["repeats"], c["batch"], c["contract"]["new_tokens"])
+    return c
+
+
+def test_a_loaded_machine_is_noise_and_a_slow_down_a_regression(tmp_path, capsys):
+    """The same code run three times: the second on a loaded machine (every step and the probe 1.3x slower) is no
+    regression, marked as noise (~); the third on the quiet machine again, with a real 20% slow-down of single-b1,
+    is one, against the first (the latest on a like machine), not the loaded second. A noisy cell is marked ~ from
+    its first directory on."""
+    root = tmp_path / "evidence"
+    for i, (created, b1, b4, machine) in enumerate([("2026-01-01T00:00:00Z", 10.0, 20.0, 3.0),
+                                                    ("2026-01-02T00:00:00Z", 13.0, 26.0, 3.9),
+                                                    ("2026-01-03T00:00:00Z", 12.0, 20.0, 3.0)]):
+        hb.build(root, "tiny", f"{'abc'[i] * 7}-c11111111-r1", created=created, plot=False,
+                 cells=[probed(hb.cell("single", 1, b1, NOISE), machine),
+                        probed(hb.cell("single", 4, b4, NOISE), machine), probed(hb.cell("hf", 1, 30.0, 0.1), machine)])
+    code, out, err = run(capsys, root, "--campaign", "tiny")
+    assert code == 0, err
+    frame = read_csv(root / "_trends/tiny.csv")
+    rows = {(r["cell"], r["order"]): r for r in frame.to_dict("records")}
+    loaded = rows[("single-b1", 2)]
+    assert loaded["claim"] == "no directional claim" and "machine differed by: (probe 1.30x slower" in loaded["reason"]
+    assert loaded["probe_ratio"] == pytest.approx(1.3) and loaded["probe_ms"] == pytest.approx(3.9)
+    assert [(r["cell"], r["order"]) for r in frame.to_dict("records") if r["regression"]] == [("single-b1", 3)]
+    assert rows[("single-b1", 3)]["baseline"] == "aaaaaaa-c11111111-r1" and rows[("single-b1", 3)]["claim"] == "slower"
+    assert rows[("single-b4", 3)]["reason"].startswith("difference within noise (|+0.00%|")  # against #1 too
+    assert "13.130 ~" in out and "26.260 ~" in out and "12.120 ▲" in out
+    assert out.count("~") - trend.LEGEND.count("~") >= 5  # hf-b1 noisy in all three, single-b1 and -b4 at #2

@@ -1,10 +1,11 @@
 """`evident ui` (workflow/ui.py): the MLflow UI on the working directory's store, on loopback, installed on
 first use, with the static archive linking to it while it runs. The command itself serves the REST API test of
-tests/test_tracking_server.py."""
+tests/test_tracking_server.py, which also stops it by SIGTERM, and the browser's, tests/test_mlflow_browser.py."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tomllib
 from pathlib import Path
 
@@ -33,10 +34,11 @@ def test_store_and_command_bind_loopback(monkeypatch):
     cmd = ui.command("sqlite:///x.db", 5001)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "5001"
     assert cmd[cmd.index("--backend-store-uri") + 1] == "sqlite:///x.db"
+    assert cmd[cmd.index("--uvicorn-opts") + 1] == "--no-access-log"  # quiet: no line a request
 
 
 def test_a_tracking_server_is_not_served_again(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(ui.subprocess, "call", lambda *a, **k: pytest.fail("nothing to start"))
+    monkeypatch.setattr(ui, "serve", lambda *a, **k: pytest.fail("nothing to start"))
     given = argparse.Namespace(root=tmp_path / "evidence", port=5000, tracking_uri="http://10.0.0.1:5000")
     assert ui.cmd_ui(given) == 0
     assert "already there: http://10.0.0.1:5000" in capsys.readouterr().out
@@ -51,13 +53,13 @@ def test_first_use_installs_then_serves_and_the_archive_links_only_while_it_runs
     monkeypatch.setattr(ui, "has_server", lambda: False)
     calls, linked = [], []
 
-    def call(cmd):
+    def serve(cmd):  # while the UI runs, the index points at the runs on it
         calls.append(cmd)
-        if "ui" in cmd:  # while the UI runs, the index points at the runs on it
-            linked.append("http://127.0.0.1:5123/#/experiments/7/runs/p1" in (tmp_path / "evidence/index.html").read_text())
+        linked.append("http://127.0.0.1:5123/#/experiments/7/runs/p1" in (tmp_path / "evidence/index.html").read_text())
         return 0
 
-    monkeypatch.setattr(ui.subprocess, "call", call)
+    monkeypatch.setattr(ui.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(ui, "serve", serve)
     assert ui.cmd_ui(args(tmp_path)) == 0
     assert calls[0][-len(ui.ui_requirements()) - 3:-len(ui.ui_requirements())] == ["pip", "install", "-q"]
     assert calls[1] == ui.command("sqlite:///mlflow.db", 5123)
@@ -70,3 +72,10 @@ def test_a_failed_install_says_how(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ui.subprocess, "call", lambda cmd: 1)
     assert ui.cmd_ui(args(tmp_path)) == 1
     assert "pip install 'mlflow<" in capsys.readouterr().err  # quoted for the shell: a range has a '<' 
+
+
+def test_a_server_that_fails_shows_its_log(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cmd = [sys.executable, "-c", "import sys; print('port in use'); sys.exit(3)"]
+    assert ui.serve(cmd) == 3
+    assert "exited with 3" in (err := capsys.readouterr().err) and "port in use" in err

@@ -21,11 +21,12 @@ rc=${PIPESTATUS[0]}
 echo "== snakemake exited $rc; the last lines of its log (whole: \$OUT/snakemake.log)"
 tail -n 25 "$OUT/snakemake.log"
 tar czf "$OUT/evidence.tar.gz" evidence .evident/logs 2>/dev/null
-# the summary carries every table (parity, bench, overlap) and the verdicts; each also comes back as a file, named
-# SUMMARY_<campaign>_<run>.md in $OUT itself (the device tool returns files at most two folders down)
-for f in evidence/*/*/SUMMARY.md; do
+# the summary carries the verdicts and short tables, DETAILS.md every full table (parity, bench, overlap); each also
+# comes back as a file, SUMMARY_<campaign>_<run>.md and DETAILS_<campaign>_<run>.md in $OUT itself (the device tool
+# returns files at most two folders down)
+for f in evidence/*/*/SUMMARY.md evidence/*/*/DETAILS.md; do
   [ -e "$f" ] || continue
-  run=${f#evidence/} run=${run%/SUMMARY.md} && cp "$f" "$OUT/SUMMARY_${run//\//_}.md"
+  name=${f##*/} run=${f#evidence/} run=${run%/*} && cp "$f" "$OUT/${name%.md}_${run//\//_}.md"
   echo "== $f"; cat "$f"
 done
 exit "$rc"

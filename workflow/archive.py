@@ -2,13 +2,14 @@
 prune: workflow/prune.py).
 
 Plain data in and out; printing is the CLI's business and HTML the archive stage's. This module sits
-beside tracking (it imports only it and the evidence core), so that stages may use it too (bench_report
-resolves its baseline here) without a stage importing another stage.
+beside tracking (it imports only it, the gate table, the evidence core and the lock names), so that stages may
+use it too (bench_report resolves its baseline here) without a stage importing another stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import re
 from pathlib import Path
@@ -17,14 +18,20 @@ import yaml
 
 from evident.workflow import tracking
 from evident.workflow.gates import GATES, PARITY, document
-from evident.workflow.evidence import (DIGEST, MANIFEST, file_table, manifest_digest, read_config, read_json, stage_records,
-                               utc_now, write_json)
+from evident.workflow.evidence import (DIGEST, FAILED, INTERRUPTED, MANIFEST, SKIPPED, file_table, manifest_digest,
+                                       read_config, read_json, stage_records, utc_now, write_json)
+from evident.workflow.locks import LOCKS
 
 ROOT = Path("evidence")
 TRACKING_RECORDS = Path(".evident/tracking")
 """Where sync records what it logged: a sealed directory is never rewritten, so a manifest that says
 `pending` stays so; the record beside it says the outage has been filled since."""
 
+
+
+SEALED, RUNNING = "sealed", "running"
+"""A directory's status: sealed, running (a live snakemake writes it), or, unsealed with no run left, `failed` (a
+stage failed) or `interrupted` (stopped: Ctrl-C, a kill, a lost machine): evidence.FAILED and INTERRUPTED."""
 
 
 class NotFound(FileNotFoundError):
@@ -143,6 +150,26 @@ def resolve(ref: str, root: str | Path = ROOT, *, campaign: str | None = None, e
     return found
 
 
+def lock_of(path: Path) -> Path:
+    """The lock of `<root>/<campaign>/<id>/` (workflow/locks.py), in the archive's working directory, beside root."""
+    return path.parent.parent.parent / LOCKS / path.parent.name / f"{path.name}.lock"
+
+
+def running(path: Path) -> bool:
+    """Whether a live snakemake writes this directory. It holds the directory's flock for its whole life and the
+    kernel drops a flock when its process ends, however it ends (Ctrl-C, SIGKILL, a crash): a dead run never looks
+    live, as a pid in a file or Snakemake's own lock files (a killed run leaves them) could. The probe is shared
+    and held for an instant, as `locks.live_runs` holds it."""
+    try:
+        with open(lock_of(path)) as f:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file: no run has it
+        return False
+    return False
+
+
 # --- loading ---------------------------------------------------------------------------------
 
 def _json(path: Path):
@@ -198,11 +225,20 @@ class Evidence:
     def with_status(self, status: str) -> list[str]:
         return [r["name"] for r in self.records if r.get("status") == status]
 
+    @functools.cached_property
+    def status(self) -> str:
+        """SEALED, RUNNING, FAILED or INTERRUPTED: one word, for `evident ls`."""
+        if self.sealed:
+            return SEALED
+        if running(self.path):
+            return RUNNING
+        return FAILED if self.with_status(FAILED) else INTERRUPTED
+
     @property
     def state(self) -> str:
-        """sealed or unsealed, naming failed and skipped stages (a skipped stage is not a pass)."""
-        parts = ["sealed" if self.sealed else "unsealed"]
-        parts += [f"{s}: {', '.join(names)}" for s in ("failed", "skipped") if (names := self.with_status(s))]
+        """The status, naming failed, interrupted and skipped stages (a skipped stage is not a pass)."""
+        parts = [self.status]
+        parts += [f"{s}: {', '.join(names)}" for s in (FAILED, INTERRUPTED, SKIPPED) if (names := self.with_status(s))]
         return "; ".join(parts)
 
     @functools.cached_property

@@ -8,7 +8,9 @@ A *cell* is one (backend, batch) pair of the decode benchmark. The bench stage m
 
 `ttft_ms` covers start -> every row has its first token, `first_decode_ms` the first -> second
 token (kept apart because it still pays warm-up costs), and `steady_ms` the N - 2 remaining
-decode intervals; each interval is one batched step producing one token for every row.
+decode intervals; each interval is one batched step producing one token for every row. A repeat recorded since
+issue 64 also holds `probe_ms`, the machine probe timed right before it (stages/bench.py `probe`), which claims
+between two directories read.
 
 A cell of the benchmark over HTTP (stage serve_bench: `target`, `concurrency`) records, per
 repeat, C streamed requests sent at once, each as the client saw it,
@@ -43,6 +45,28 @@ median: (max - min) / median > NOISE."""
 
 MIN_REPEATS = 3
 """Fewer repeats than this cannot tell run-to-run noise from signal, so the cell is noisy."""
+
+# Claims between two directories. A cell's spread is the noise inside one run; the machine can change between two
+# runs (load, clocks, another tenant) and move every cell alike. So each repeat is preceded by a fixed machine probe
+# (stages/bench.py `probe`: a matmul and a copy on the bench's device and threads), and a claim needs the change
+# beyond what the machine's own change, by the probe, explains, and beyond a minimum effect. Figures (issue 64): 14
+# identical runs of the default campaign's `single` bench stage, 4 of them under load, and 6 with a 2 ms sleep
+# injected a decode step, on a shared 2-core CPU machine.
+PROBE_LIMIT = 1.5
+"""Two cells' probe medians further apart than this ratio (either way) were measured on a machine that differed too
+much for any figure to be compared: no claim."""
+MACHINE_POWER = 2
+"""Within PROBE_LIMIT, a probe ratio r explains a TPOT p50 ratio up to r ** MACHINE_POWER the same way: identical runs
+with probes 1.087x apart moved TPOT p50 by 17.9% (1.087 ** 2 = 1.18)."""
+MIN_EFFECT = 0.10
+"""The smallest TPOT p50 change a claim between two directories makes, beyond the machine's and whatever the spreads
+(a quiet cell's is at most NOISE): identical runs, both cells quiet and their probes within 5%, moved by at most 6.8%
+(median 2.5%)."""
+UNPROBED_EFFECT = 0.15
+"""The minimum effect where a cell has no probe (recorded before it existed): the machine is unchecked, so a claim
+needs more; twice the 7.1% a change of load alone gave two such runs (issue 64)."""
+PROBE_DRIFT = 0.05
+"""Probe medians within this fraction are a like machine: the one `evident trend` compares a cell with."""
 
 FRAME_COLUMNS = [
     "backend", "prompts", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
@@ -196,7 +220,21 @@ def summarize_cell(repeats: list[dict], batch: int, new_tokens: int) -> dict:
         "tpot": stats(all_steady.tolist()),
         "decode_tok_s": float(decode_tok_s),
         **noise(per_repeat),
+        **probe(repeats),
     }
+
+
+def probe(repeats: list[dict]) -> dict:
+    """The machine probe of a cell's repeats (`probe_ms`, timed before each): `repeat_probe_ms` and their median
+    `probe_ms`; nothing for a cell recorded before the probe existed. Some repeats with it and some without is not a
+    record to trust."""
+    have = [isinstance(r, dict) and "probe_ms" in r for r in repeats]
+    if not any(have):
+        return {}
+    if not all(have):
+        raise BenchError(f"repeat {have.index(False)}: no probe_ms where other repeats have one")
+    ms = _samples([r["probe_ms"] for r in repeats], "probe_ms")
+    return {"repeat_probe_ms": ms.tolist(), "probe_ms": float(np.median(ms))}
 
 
 def noise(per_repeat: list[float]) -> dict:
@@ -281,7 +319,7 @@ def summarize_http(repeats: list[dict], concurrency: int, new_tokens: int) -> di
         per_repeat.append(float(np.median(_samples(tpots, f"repeat {i} TPOT"))))
         seconds += duration / 1000.0
     out = {m: stats(v) for m, v in per.items()}
-    return {**out, "output_tok_s": tokens / seconds, **noise(per_repeat)}
+    return {**out, "output_tok_s": tokens / seconds, **noise(per_repeat), **probe(repeats)}
 
 
 # --- comparing two cells ---------------------------------------------------------------------
@@ -327,6 +365,64 @@ def _within_noise(pct: float, cs: dict, bs: dict) -> str | None:
     return None
 
 
+MACHINE = "machine differed"
+"""In a claim's reason where the probes say the machine changed between the two runs (the views read it)."""
+
+
+def probe_ratio(cs: dict, bs: dict) -> float | None:
+    """The current cell's probe median over the baseline's (above 1: the machine was slower for the current cell);
+    None where either cell has no probe."""
+    if "probe_ms" not in cs or "probe_ms" not in bs:
+        return None
+    return float(cs["probe_ms"]) / float(bs["probe_ms"])
+
+
+def _machine(ratio: float | None, cs: dict, bs: dict) -> str | None:
+    """Why two runs' figures are not comparable though their cells are: the probe moved beyond PROBE_LIMIT."""
+    if ratio is None or 1 / PROBE_LIMIT <= ratio <= PROBE_LIMIT:
+        return None
+    return (f"{MACHINE}: probe {_times(ratio)} in current ({float(cs['probe_ms']):.3f} vs {float(bs['probe_ms']):.3f} "
+            f"ms, beyond {PROBE_LIMIT:g}x); load or clocks changed between the runs")
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}x slower" if ratio >= 1 else f"{1 / ratio:.2f}x faster"
+
+
+def alike(cs: dict, bs: dict) -> bool:
+    """Whether two cells' stats were measured on a like machine: probes within PROBE_DRIFT (or either has none)."""
+    ratio = probe_ratio(cs, bs)
+    return ratio is None or 1 / (1 + PROBE_DRIFT) <= ratio <= 1 + PROBE_DRIFT
+
+
+def _beyond_runs(pct: float, ratio: float | None, cs: dict, bs: dict) -> str | None:
+    """Why a TPOT p50 change between two directories makes no claim: it is within the larger spread or the minimum
+    effect (UNPROBED_EFFECT where a cell has no probe, which the reason says), after what the machine's change
+    explains (the probe ratio to MACHINE_POWER, in its direction only: a faster machine explains no slow-down)."""
+    spread = max(float(cs["spread"]), float(bs["spread"]))
+    effect, why = MIN_EFFECT, ""
+    if ratio is None:
+        unprobed = " and ".join(n for n, st in (("current", cs), ("baseline", bs)) if "probe_ms" not in st)
+        effect, why, ratio = UNPROBED_EFFECT, f" as the {unprobed} cell has no machine probe", 1.0
+    bound, t, machine = max(spread, effect), 1 + pct / 100.0, ratio ** MACHINE_POWER
+    if t >= 1:
+        allowed, explained = (1 + bound) * max(machine, 1.0) - 1, machine > 1
+    else:
+        allowed, explained = 1 - (1 - bound) * min(machine, 1.0), machine < 1
+    if abs(pct) / 100.0 <= allowed:
+        by = f", times what the {MACHINE} by: (probe {_times(ratio)} in current) ** {MACHINE_POWER}"
+        by = by if explained else ""
+        return (f"difference within noise (|{pct:+.2f}%| <= {allowed * 100:.2f}%: the larger spread "
+                f"{spread * 100:.2f}%, the minimum effect {effect * 100:.0f}%{why}{by})")
+    return None
+
+
+def no_claim(reason: str) -> dict:
+    """A comparison of two cells that makes no directional claim, and why (directional_claim's fields)."""
+    return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
+            "probe_ratio": None, "reason": reason}
+
+
 def _differing_keys(a: dict, b: dict) -> list[str]:
     """Keys whose values differ, including keys present on one side only."""
     return sorted(str(k) for k in set(a) | set(b) if k not in a or k not in b or a[k] != b[k])
@@ -341,16 +437,18 @@ def directional_claim(current: dict, baseline: dict) -> dict:
 
     A claim needs (1) the same backend, batch, contract, versions and model hashes (HTTP cells: the same target
     and concurrency, and their streams as many tokens an event: side_by_side says why), (2) neither
-    cell noisy, and (3) a relative TPOT p50 difference strictly larger than the larger of the two
-    cells' spreads. The change percentages are (current - baseline) / baseline; a negative
+    cell noisy, (3) the machine comparable: the two cells' probe medians within PROBE_LIMIT (`probe_ratio`, None
+    where a cell has no probe), and (4) a TPOT p50 ratio beyond 1 + the larger of the two cells' spreads and
+    MIN_EFFECT (UNPROBED_EFFECT without a probe), times what the machine's change explains (probe ratio **
+    MACHINE_POWER, in its direction). The change percentages are
+    (current - baseline) / baseline; a negative
     tpot_p50_change_pct means current is faster. They are reported whenever the two cells
     measured the same thing (even when noise blocks the claim, so a reader sees how small the
     difference was) and are None when they did not (a percentage between different experiments
     invites exactly the reading this function exists to prevent).
     """
     if refused := _refusals(current, baseline):
-        return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                "reason": "; ".join(refused)}
+        return no_claim("; ".join(refused))
     a, b = contract_of(current), contract_of(baseline)
     reasons: list[str] = []
     for key in ("backend", "batch", "target", "concurrency"):
@@ -374,20 +472,22 @@ def directional_claim(current: dict, baseline: dict) -> dict:
                            "vLLM's per-request TPOTs time different intervals")
     cs, bs = current["stats"], baseline["stats"]
     reasons += _noisy(cs, bs)
+    ratio = probe_ratio(cs, bs)
+    if machine := _machine(ratio, cs, bs):
+        reasons.append(machine)
 
     tpot_pct = tok_pct = None
     if comparable:
         cur_p50, base_p50 = float(cs["tpot"]["p50"]), float(bs["tpot"]["p50"])
         tpot_pct = _pct(cur_p50, base_p50)
         tok_pct = _pct(throughput(cs), throughput(bs))
-        if not reasons and (within := _within_noise(tpot_pct, cs, bs)):
+        if not reasons and (within := _beyond_runs(tpot_pct, ratio, cs, bs)):
             reasons.append(within)
 
+    out = {"tpot_p50_change_pct": tpot_pct, "tok_s_change_pct": tok_pct, "probe_ratio": ratio}
     if reasons:
-        return {"claim": "no directional claim", "tpot_p50_change_pct": tpot_pct,
-                "tok_s_change_pct": tok_pct, "reason": "; ".join(reasons)}
-    return {"claim": "faster" if tpot_pct < 0 else "slower", "tpot_p50_change_pct": tpot_pct,
-            "tok_s_change_pct": tok_pct, "reason": None}
+        return {"claim": "no directional claim", **out, "reason": "; ".join(reasons)}
+    return {"claim": "faster" if tpot_pct < 0 else "slower", **out, "reason": None}
 
 
 def tokens_per_event(http: dict) -> float:
@@ -538,9 +638,13 @@ def markdown_table(frame) -> str:
     return markdown(MARKDOWN_HEADER, rows) + "\n"
 
 
+NOISY = "noisy: no claim"
+"""The plots' legend entry of a noisy cell's point (ringed)."""
+
+
 def plot(frame, path: str | Path) -> Path:
     """Two panels (decode tok/s vs batch, steady TPOT p50 vs batch), one line per backend and prompt contract
-    (a distinct-prompts line, dashed, is named `<backend> distinct`).
+    (a distinct-prompts line, dashed, is named `<backend> distinct`); a noisy cell's point is ringed in grey (NOISY).
 
     Uses a bare Figure on the Agg canvas (no pyplot global state, no backend switch for the
     rest of the process) and strips the PNG "Software" text chunk so the same frame always gives
@@ -565,6 +669,11 @@ def plot(frame, path: str | Path) -> Path:
         style = "-" if prompts == SAME else "--"
         ax_tok.plot(group["batch"], group["decode_tok_s"], style, marker=m, label=name)
         ax_tpot.plot(group["batch"], group["tpot_p50_ms"], style, marker=m, label=name)
+    noisy = frame[frame["noisy"].astype(bool)]
+    for ax, col in ((ax_tok, "decode_tok_s"), (ax_tpot, "tpot_p50_ms")):
+        if len(noisy):
+            ax.scatter(noisy["batch"], noisy[col], s=150, facecolors="none", edgecolors="#57606a", linewidths=1.4,
+                       zorder=5, label=NOISY)
     for ax, ylabel, title in (
         (ax_tok, "decode throughput (tokens/s)", "Decode throughput vs batch"),
         (ax_tpot, "steady TPOT p50 (ms/step)", "Steady TPOT p50 vs batch"),

@@ -1,24 +1,31 @@
 """`evident`: browse, compare, verify, sync and prune the evidence archive.
 
-  evident ls [--campaign C]      every evidence directory, newest first, with each gate's verdict
-  evident show ID                one directory's summary
-  evident diff A B               B against A: bench cells with noise-aware claims, metrics, verdict changes
-  evident verify [ID ...|--all]  re-hash every file against MANIFEST.json
-  evident sync [ID ...|--all]    replay evidence into MLflow (idempotent)
+  evident ls [--campaign C]     every evidence directory, newest first: gates, MLflow, status
+                                (sealed, running, failed or interrupted)
+  evident show ID [--markdown]  one directory: gates, headline figures, stages, files
+                                (--markdown: its SUMMARY.md)
+  evident diff A B [--metrics]  B against A: verdict changes, bench cells with noise-aware claims
+                                (--metrics: every stage metric that differs too)
+  evident verify [ID ...|--all] re-hash every file against MANIFEST.json
+  evident sync [ID ...|--all]   replay evidence into MLflow (idempotent)
   evident prune [--unsealed] [--older-than D [--sealed]] [--campaign C] [--dry-run]
-                                 remove failed or old directories, and mark their MLflow runs deleted
-  evident html                   rewrite the static HTML archive (evidence/index.html)
+                                remove failed or old directories, and mark their MLflow runs deleted
+  evident html                  rewrite the static HTML archive (evidence/index.html)
   evident trend [--campaign C] [--cell CELL] [--metric M]
-                                 each bench cell and gate over a campaign's directories, regressions flagged
-  evident ui [--port P]          MLflow's UI on this directory's store, on 127.0.0.1 (installed on first use)
-  evident run [SNAKEMAKE ARGS]   check the --configfile campaign files, then run snakemake with these arguments
+                                each bench cell and gate over a campaign's directories, regressions
+                                flagged
+  evident ui [--port P]         MLflow's UI on this directory's store, on 127.0.0.1
+                                (installed on first use)
+  evident run [SNAKEMAKE ARGS]  check the --configfile campaign files, then run snakemake with these
+                                arguments and --rerun-incomplete: an interrupted run goes on
 
-An ID is an evidence id, `campaign/id`, a path, or any part of an id that matches one directory (`c526`,
-its config hash, or the commit); an exact id wins over longer ones that contain it. `CAMPAIGN@latest` is
-the campaign's newest *sealed* directory (by its manifest's creation time), `CAMPAIGN@latest~N` the N-th
-before it, `@latest` the newest over all campaigns: `evident diff tiny@latest~1 tiny@latest`.
-Exit status: 0 fine, 1 a mismatch or a failed sync or removal, 2 an error (an id that matches nothing or
-several: the candidates are listed)."""
+An ID is an evidence id, `campaign/id`, a path, or any part of an id that matches one directory
+(`c526`, its config hash, or the commit); an exact id wins over longer ones that contain it.
+`CAMPAIGN@latest` is the campaign's newest *sealed* directory (by its manifest's creation time),
+`CAMPAIGN@latest~N` the N-th before it, `@latest` the newest over all campaigns:
+`evident diff tiny@latest~1 tiny@latest`.
+Exit status: 0 fine, 1 a mismatch or a failed sync or removal, 2 an error (an id that matches
+nothing or several: the candidates are listed)."""
 
 from __future__ import annotations
 
@@ -28,10 +35,11 @@ import os
 import sys
 from pathlib import Path
 
-from tabulate import tabulate
-
-from evident.workflow import archive, diff, pages, prune, trend, ui
-from evident.workflow.terminal import age, fit, num, pct, ratio, size, table, wrap
+from evident.workflow import archive, diff, pages, prune, trend, tracking, ui
+from evident.workflow.evidence import DETAILS, SUMMARY
+from evident.workflow.gates import GATES, NOT_RUN
+from evident.workflow.runs import label_key
+from evident.workflow.terminal import age, fit, num, pct, ratio, size, wrap
 
 MISMATCH, ERROR = 1, 2
 ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
@@ -49,6 +57,24 @@ def _load(args, ref: str) -> archive.Evidence:
 
 # --- ls, show --------------------------------------------------------------------------------
 
+def _gates(ev: archive.Evidence) -> str:
+    """`pass`, `FAIL` and the failing gates, or `—` where no gate decided (Gate.state: a verdict that measured
+    nothing is neither); each gate's verdict is `evident show`'s."""
+    states = {g.name: g.state(ev.gates.get(g.name)) for g in GATES}
+    failing = [name for name, state in states.items() if state == "fail"]
+    return "FAIL " + ", ".join(failing) if failing else "pass" if "pass" in states.values() else "—"
+
+
+def _device(ev: archive.Evidence) -> str:
+    """`cpu`, or how many GPUs (`8 GPUs`; their name is `show`'s)."""
+    gpus = len(ev.env.get("gpus") or [])
+    return f"{gpus} GPU{'s' * (gpus > 1)}" if gpus else ev.device
+
+
+def _minute(utc: str) -> str:
+    return utc[:16].replace("T", " ") if utc else "—"
+
+
 def cmd_ls(args) -> int:
     if args.campaign and not (Path(args.root) / args.campaign).is_dir():
         print(f"evident: no campaign {args.campaign!r} under {Path(args.root).as_posix()}/", file=sys.stderr)
@@ -57,51 +83,100 @@ def cmd_ls(args) -> int:
     if not entries:
         print(f"no evidence directories under {Path(args.root).as_posix()}/")
         return 0
-    gates = list(dict.fromkeys(g for e in entries for g in e.gates))
-    rows = [[e.path.parent.name, e.id, (e.created or "—").replace("T", " "), e.commit, e.device,
-             *(e.gates.get(g, "—") for g in gates), e.tracking.get("status", "?"), e.state] for e in entries]
-    print(table(["campaign", "id", "created (UTC)", "commit", "device", *gates, "mlflow", "state"], rows))
+    # The same columns in the same order whatever is listed, each as short as it can be: the commit is the id's
+    # first part; `show` names the GPUs and each gate's verdict. The id, to be copied, is cut last.
+    rows = [[e.path.parent.name, e.id, _minute(e.created), _device(e), _gates(e),
+             e.tracking.get("status", "?") if e.sealed else "—", e.status] for e in entries]
+    print(fit(["campaign", "id", "created (UTC)", "device", "gates", "mlflow", "status"], rows, keep=(1, 2),
+              tight=True))
     return 0
+
+
+def _fact(name: str, value: str) -> str:
+    return wrap(value, f"  {name:<16}", " " * 18)
+
+
+def _bench(ev: archive.Evidence) -> list[list]:
+    """A row per bench cell: its label, TPOT p50 (ms), tok/s and whether it is noisy (its figures then carry no
+    claim; benchstats.noise)."""
+    rows = []
+    for name, files in sorted(diff.bench_cells(ev).items(), key=lambda kv: label_key(kv[0])):
+        stats = archive.as_dict(files[0][1].get("stats"))
+        tpot = diff.number(archive.as_dict(stats.get("tpot")).get("p50"))
+        noisy = stats.get("noisy")
+        rows.append([name, num(tpot), num(diff.tok_s(files[0][1]), ".1f"),
+                     "yes" if noisy is True else "no" if noisy is False else "—"])
+    return rows
 
 
 def cmd_show(args) -> int:
     ev = _load(args, args.id)
-    m, track = ev.manifest or {}, ev.tracking
-    facts = [
-        ["evidence", f"{ev.label}  ({ev.path.as_posix()})"],
-        ["state", ev.state],
-        ["created / sealed (UTC)", f"{ev.created or '—'} / {m.get('sealed_utc', '—')}"],
-        ["commit", ev.commit],
-        ["device / dtype", f"{ev.device} / {ev.config.get('dtype', '?')}"],
-        ["verdicts", ", ".join(f"{k}: {v}" for k, v in ev.gates.items()) or "—"],
-        ["mlflow", track.get("status", "?") + (f": experiment {track['experiment_id']}, parent run "
-                                               f"{track['parent_run_id']}" if track.get("parent_run_id") else "")],
-    ]
-    print(tabulate(facts, tablefmt="plain"))
-    print()
-    print(table(["stage", "status", "seconds", "note"],
-                [[r.get("name"), r.get("status"), num(r.get("seconds")), r.get("error") or r.get("reason") or ""]
-                 for r in ev.records]))
-    summary = ev.path / "SUMMARY.md"
-    if summary.is_file():
-        print()
+    summary = ev.path / SUMMARY
+    if args.markdown:
+        if not summary.is_file():
+            raise archive.NotFound(f"{ev.label} has no SUMMARY.md: it is {ev.status}, not sealed")
         print(summary.read_text(errors="replace").rstrip())
-    else:
-        print("\n(no SUMMARY.md: the directory is not sealed)")
+        return 0
+    m, track = ev.manifest or {}, ev.tracking
+    print(wrap(f"{ev.label}: {ev.state}"))
+    sealed = f", sealed {m['sealed_utc']}" if m.get("sealed_utc") else ""
+    print(_fact("created (UTC)", f"{ev.created or '—'}{sealed}"))
+    print(_fact("commit", ev.commit))
+    print(_fact("device / dtype", f"{ev.device} / {ev.config.get('dtype', '?')}"))
+    runs = f": experiment {track['experiment_id']}, parent run {track['parent_run_id']}" \
+        if track.get("parent_run_id") else ""
+    print(_fact("mlflow", track.get("status", "?") + runs))
+    print("\nGates:")
+    print(fit(["gate", "verdict", "result"],
+              [[g.name, ev.gates.get(g.name) or "—", g.state(ev.gates.get(g.name)).replace(NOT_RUN, "—")]
+               for g in GATES]))
+    # MLflow's headline but the bench cells, which have a table below: without their stages' records it reads no
+    # cell file, and so no damaged one
+    records = [r for r in ev.records if not r["name"].startswith(tracking.BENCH_STAGES)]
+    figures, _ = tracking.headline(ev.path, records, {})
+    if figures:
+        print("\nHeadline figures (as MLflow names them):")
+        print(fit(["figure", "value"], [[k, num(v)] for k, v in figures.items()]))
+    if bench := _bench(ev):
+        print("\nDecode benchmark (steady TPOT p50; a noisy cell's figures make no claim):")
+        print(fit(["cell", "TPOT p50 (ms)", "tok/s", "noisy"], bench))
+    print("\nStages:")
+    print(fit(["stage", "status", "seconds", "note"],
+              [[r.get("name"), r.get("status"), num(r.get("seconds")), r.get("error") or r.get("reason") or ""]
+               for r in ev.records]) if ev.records else "  none recorded")
+    print("\nFiles:")
+    files = m.get("files") or {}
+    total = sum(diff.number(archive.as_dict(f).get("size")) or 0 for f in files.values())
+    print(_fact("directory", f"{ev.path.as_posix()}/" + (f" ({len(files)} files, {size(total)})" if files else "")))
+    if summary.is_file():
+        print(_fact("report", f"{SUMMARY} there, the pull-request section (`evident show --markdown ID` prints it); "
+                              f"{DETAILS} beside it, the full tables"))
+    if (page := pages.page_of(Path(args.root), ev)).is_file():
+        print(_fact("page", page.as_posix()))
     return 0
 
 
 # --- diff ------------------------------------------------------------------------------------
 
-def _bench_rows(cells: list[dict]) -> tuple[list[list], list[str]]:
-    """One row per cell, its reason a numbered footnote (the same reason, the same number)."""
+def _noisy(ev: archive.Evidence) -> set[str]:
+    """The labels of a directory's noisy bench cells (their `stats.noisy`)."""
+    return {name for name, files in diff.bench_cells(ev).items()
+            if any(archive.as_dict(cell.get("stats")).get("noisy") is True for _, cell in files)}
+
+
+def _bench_rows(cells: list[dict], noisy_a: set[str] = frozenset(), noisy_b: set[str] = frozenset()
+                ) -> tuple[list[list], list[str]]:
+    """One row per cell, which side's cell is noisy, its reason a numbered footnote (the same reason, the same
+    number)."""
     notes: dict[str, int] = {}
     rows = []
     for c in cells:
         claim = c["claim"]
         if c["reason"]:
             claim += f" [{notes.setdefault(c['reason'], len(notes) + 1)}]"
-        rows.append([c["cell"], num(c["a_tpot_p50_ms"]), num(c["b_tpot_p50_ms"]), ratio(c["tpot_p50_ratio"]), claim])
+        noisy = ", ".join(side for side, names in (("A", noisy_a), ("B", noisy_b)) if c["cell"] in names)
+        rows.append([c["cell"], num(c["a_tpot_p50_ms"]), num(c["b_tpot_p50_ms"]), ratio(c["tpot_p50_ratio"]), noisy,
+                     claim])
     return rows, [wrap(reason, f"  [{n}] ", " " * (len(str(n)) + 5)) for reason, n in notes.items()]
 
 
@@ -120,14 +195,18 @@ def cmd_diff(args) -> int:
           if d["verdicts"] else "  none")
     if d["bench"]:
         print("\n" + wrap("Decode benchmark, B against A (steady TPOT p50 in ms; B/A below 1: B is faster). A claim "
-                          "needs the same contract, versions and model, no noisy cell and a TPOT p50 change beyond "
-                          "the noise; [n]: why a cell has none. tok/s and every field: --json."))
-        rows, notes = _bench_rows(d["bench"])
-        print(fit(["cell", "A TPOT p50 (ms)", "B", "B/A", "claim"], rows))
+                          "needs the same contract, versions and model, no noisy cell, the machine probes alike, and a "
+                          "TPOT p50 change beyond the noise and the minimum effect; noisy: the side whose cell is; "
+                          "[n]: why a cell has none. tok/s and every field: --json."))
+        rows, notes = _bench_rows(d["bench"], _noisy(a), _noisy(b))
+        print(fit(["cell", "A TPOT p50 (ms)", "B", "B/A", "noisy", "claim"], rows))
         if notes:
             print("\n".join(notes))
     changed = [x for x in d["metrics"] if x["a"] != x["b"]]
-    if d["metrics"]:
+    if not args.metrics:
+        print("\n" + wrap(f"Stage metrics: {len(changed)} of {len(d['metrics'])} differ; single values with no noise "
+                          "estimate, so no claim: --metrics lists them."))
+    elif d["metrics"]:
         print("\n" + wrap(f"Stage metrics ({len(d['metrics']) - len(changed)} equal, not shown; single values carry "
                           "no noise estimate, so they make no directional claim):"))
         print(fit(["metric", "A", "B", "delta", "change"],
@@ -295,6 +374,24 @@ def configfiles(argv: list[str]) -> list[str]:
     return paths
 
 
+INCOMPLETE_FLAGS = ("--rerun-incomplete", "--ri", "--ignore-incomplete", "--ii")
+"""Snakemake's own say on a killed job's outputs: given any, `evident run` adds none."""
+
+
+def snakemake_argv(argv: list[str]) -> list[str]:
+    """The arguments `evident run` gives snakemake: the user's, with `--rerun-incomplete` first unless they chose.
+
+    After a Ctrl-C or a kill, Snakemake flags the outputs of the jobs that were running as incomplete and refuses a
+    plain rerun (IncompleteFilesException, advising --cleanup-metadata, which would keep those outputs as if whole).
+    Rerunning those jobs is safe here: every stage writes each file atomically (evidence.write_*: a temp file, then
+    a rename), so a stopped job leaves whole files or none, and the rerun rewrites them all; and the jobs flagged are
+    a dead run's, since a second run of one evidence directory is refused before Snakemake looks
+    (workflow/rules/common.smk, workflow/locks.py)."""
+    if any(a.partition("=")[0] in INCOMPLETE_FLAGS for a in argv):
+        return list(argv)
+    return ["--rerun-incomplete", *argv]  # first: no option before it can take it as its value
+
+
 def cmd_run(argv: list[str]) -> int:
     """Snakemake answers a campaign file it cannot decode with a traceback: check each first, then hand over."""
     from evident.workflow.campaign import CampaignFileError, read_campaign_file
@@ -308,7 +405,7 @@ def cmd_run(argv: list[str]) -> int:
     snakemake = Path(sys.executable).with_name("snakemake")  # the one installed beside this interpreter
     # what Snakemake and the rules' `tee` create (output folders, logs) readable by all, as the stages' own files
     os.umask(os.umask(0o022) & 0o022)
-    os.execv(snakemake, [str(snakemake), *argv])
+    os.execv(snakemake, [str(snakemake), *snakemake_argv(argv)])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -320,11 +417,13 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("show", help="one directory's summary")
     p.add_argument("id", metavar="ID", help=ID_HELP)
+    p.add_argument("--markdown", action="store_true", help="print its SUMMARY.md, the pull-request section")
     p.set_defaults(func=cmd_show)
     p = sub.add_parser("diff", help="compare B against A (A is the baseline)")
     p.add_argument("a", metavar="A", help=ID_HELP)
     p.add_argument("b", metavar="B", help=ID_HELP)
     p.add_argument("--json", action="store_true", help="the comparison as JSON")
+    p.add_argument("--metrics", action="store_true", help="also every stage metric that differs")
     p.set_defaults(func=cmd_diff)
     for name, func, what in (("verify", cmd_verify, "re-hash every file against MANIFEST.json"),
                              ("sync", cmd_sync, "replay evidence into MLflow (idempotent)")):
@@ -355,7 +454,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_html)
     trend.add_parser(sub)
     ui.add_parser(sub)
-    sub.add_parser("run", help="check the --configfile campaign files, then run snakemake with the same arguments",
+    sub.add_parser("run", help="check the --configfile campaign files, then run snakemake with the same arguments "
+                   "(and --rerun-incomplete, unless one of " + ", ".join(INCOMPLETE_FLAGS) + " is given)",
                    add_help=False)  # main() hands its arguments to snakemake before argparse sees them
     return ap
 

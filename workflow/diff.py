@@ -74,7 +74,8 @@ def _stat(cell: dict | None, *keys):
 def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
     """Per bench cell (`cell`: its run name and batch, `single-graph-b8`): both TPOT p50 and tok/s, their change
     and ratio B/A, and bench_report's directional claim (A is the baseline, B the current run): a claim only
-    where contract, versions and model match and neither cell is noisy. Changes and ratios only where the two
+    where contract, versions and model match, neither cell is noisy, the machine probes agree and the change
+    passes the minimum effect (`probe_ratio`: B's probe over A's). Changes and ratios only where the two
     cells measured the same thing (as benchstats.directional_claim says), None otherwise."""
     ca, cb = bench_cells(a), bench_cells(b)
     out = []
@@ -100,9 +101,7 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
     return out
 
 
-def no_claim(reason: str) -> dict:
-    """A comparison of two cells that makes no directional claim, and why (directional_claim's fields)."""
-    return {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None, "reason": reason}
+no_claim = benchstats.no_claim
 
 
 def cell_claim(current: dict, baseline: dict) -> dict:

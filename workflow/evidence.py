@@ -12,6 +12,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -22,6 +23,12 @@ import yaml
 
 SCHEMA_VERSION = 1
 MANIFEST = "MANIFEST.json"
+SUMMARY = "SUMMARY.md"
+"""The pull-request section: every gate's verdict and the headline figures first, no image and no link, so that it
+pastes into a GitHub comment whole (workflow/summary.py)."""
+DETAILS = "DETAILS.md"
+"""Beside SUMMARY.md, the detail a comment has no room for: full tables, each first divergence, the plots (relative
+images: the archive page and MLflow show them)."""
 STAGES_DIR = "stages"
 
 
@@ -228,12 +235,26 @@ def evidence_id(git: dict, config: dict, repeat: int) -> str:
 
 # --- stage records -------------------------------------------------------------------------
 
+OK, SKIPPED, FAILED, INTERRUPTED = "ok", "skipped", "failed", "interrupted"
+"""A stage record's `status`. `interrupted`: the stage was stopped (Ctrl-C, SIGTERM), not wrong; a rerun redoes it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM inside a stage, raised as a Ctrl-C is, so that the stage unwinds (servers stop, `finally` runs)
+    and records `interrupted`; Python's default SIGTERM ends the process at once, with no record."""
+
+
+def _terminated(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
 class Stage:
     """Context manager that records a stage's outcome in `stages/<name>.json`.
 
     On success the record carries params, metrics, tags and the stage's files (MLflow logs them
     later); on an exception it records `failed` with the error and re-raises, so a failed stage is
-    visible in the directory without any output that looks complete.
+    visible in the directory without any output that looks complete. A KeyboardInterrupt, or SIGTERM
+    while inside, is recorded `interrupted` with the signal as its reason: stopped, not a defect.
     """
 
     def __init__(self, evidence_dir: str | Path, name: str, params: dict | None = None, primary: bool = True):
@@ -263,14 +284,22 @@ class Stage:
     def __enter__(self) -> "Stage":
         self.started = utc_now()
         self._t0 = time.perf_counter()
+        try:
+            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
+        except ValueError:  # not the main thread: signals are the main thread's, its handler stays
+            self._sigterm = False
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._sigterm is not False:  # None: a handler set outside Python, so the default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._sigterm is None else self._sigterm)
         if not self.primary:
             return False
+        stopped = isinstance(exc, KeyboardInterrupt)
+        status = (INTERRUPTED if stopped else FAILED) if exc is not None else (SKIPPED if self.skipped else OK)
         record = {
             "name": self.name,
-            "status": "failed" if exc is not None else ("skipped" if self.skipped else "ok"),
+            "status": status,
             "started_utc": self.started,
             "finished_utc": utc_now(),
             "seconds": round(time.perf_counter() - self._t0, 3),
@@ -279,9 +308,11 @@ class Stage:
             "tags": self.tags,
             "files": sorted(set(self.files)),
         }
-        if self.skipped and exc is None:
+        if status == SKIPPED:
             record["reason"] = self.skipped
-        if exc is not None:
+        elif status == INTERRUPTED:
+            record["reason"] = str(exc) or exc_type.__name__  # SIGTERM, or KeyboardInterrupt (Ctrl-C)
+        elif status == FAILED:
             record["error"] = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         write_json(self.dir / STAGES_DIR / f"{self.name}.json", record)
         return False

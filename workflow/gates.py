@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evident.workflow import gsm8k, screens
-from evident.workflow.verdicts import DEFECTS
+from evident.workflow.verdicts import DEFECTS, SEVERITY
+
+NOT_MEASURED = "not_measured"  # the overlap screens' verdict where nothing was timed
+NOT_COMPILED = "not_compiled"  # the kernel audit's where no kernel was compiled (no GPU)
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,27 @@ class Gate:
     failing: frozenset[str]  # verdicts that fail the run (a document marked `advisory` fails nothing)
     what: str  # how a message names it
     fallback: str | None = None  # the file that holds the verdict in a directory without `file`
+    idle: frozenset[str] = frozenset()  # verdicts that say the gate measured nothing: neither a pass nor a fail
 
     @property
     def tag(self) -> str:
         return f"{self.name}.verdict"
+
+    def state(self, verdict: str | None) -> str:
+        """`fail`, `pass` or `none` (not run, or it measured nothing): what a view colours red, green or grey."""
+        if not verdict or verdict in self.idle:
+            return NOT_RUN
+        return "fail" if verdict in self.failing else "pass"
+
+    def fails(self, verdict: str, config: dict) -> bool:
+        """Whether the verdict fails the gate (an advisory document still fails nothing): one of its failing
+        verdicts or, for parity under `parity.require_exact`, anything short of exact."""
+        short = self.name == "parity" and config["parity"].get("require_exact") and verdict != EXACT
+        return verdict in self.failing or bool(short)
+
+
+NOT_RUN = "none"
+EXACT = SEVERITY[0]  # parity's best verdict, all_token_text_exact
 
 
 GATES = (
@@ -32,9 +52,10 @@ GATES = (
     # any screen's bitwise_mismatch is the stage's (workflow/stages/overlap.py `stage_verdict`); a campaign without
     # screens of its own has the built-in's file only
     Gate("overlap", "overlap", screens.INDEX, frozenset({"bitwise_mismatch"}),
-         "the overlap A/B screens (outputs of A and B differ)", fallback=screens.files(screens.BUILTIN)["screen"]),
+         "the overlap A/B screens (outputs of A and B differ)", fallback=screens.files(screens.BUILTIN)["screen"],
+         idle=frozenset({NOT_MEASURED})),
     Gate("audit", "kernel_audit", "kernels/audit.json", frozenset({"spills"}),
-         "the kernel resource audit (register spills)"),
+         "the kernel resource audit (register spills)", idle=frozenset({NOT_COMPILED})),
     # no_claim fails too: nothing comparable happened, so nothing passed
     Gate("quality", "quality", gsm8k.GATE, frozenset(gsm8k.VERDICTS) - {"pass"}, "the GSM8K quality gate"),
 )

@@ -30,7 +30,7 @@ code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; background: #e
 """
 
 BAD = ("fail", "regression", "gap", "mismatch", "slower", "spill", "missing", "changed")
-WARN = ("near_tie", "pending", "unsealed", "skipped", "noisy", "no directional", "unknown", "not in manifest")
+WARN = ("near_tie", "pending", "unsealed", "running", "interrupted", "skipped", "noisy", "no directional", "unknown", "not in manifest")
 GOOD = ("exact", "ok", "pass", "logged", "synced", "sealed", "faster")
 
 
@@ -43,7 +43,7 @@ def esc(value) -> str:
 
 
 def url(rel: str) -> str:
-    return quote(rel, safe="/#:?=")
+    return quote(rel, safe="/#:?=&")
 
 
 def link(rel: str, text) -> Raw:

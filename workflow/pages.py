@@ -19,12 +19,12 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from evident.workflow import archive, trend_page
-from evident.workflow.evidence import MANIFEST, list_files, write_text
+from evident.workflow import archive, tracking, trend_page
+from evident.workflow.evidence import DETAILS, MANIFEST, SUMMARY, list_files, write_text
 from evident.workflow.markup import PAGES, Raw, badge, esc, link, ours, page, table, url
 
 
-# --- SUMMARY.md: the subset of markdown it is written in ------------------------------------
+# --- SUMMARY.md and DETAILS.md: the subset of markdown they are written in --------------------
 
 def _inline(text: str) -> str:
     out = esc(text)
@@ -129,7 +129,7 @@ def mlflow_section(ev: archive.Evidence, ui: str | None) -> str:
     rows = [["parent (this directory)", run(parent)]]
     rows += [[f"stage {name}", run(rid)] for name, rid in sorted((track.get("child_run_ids") or {}).items())]
     if ui:
-        where = Raw(f"experiment {link(f'{ui}/#/experiments/{exp}{VIEW}', exp)} on the tracking server")
+        where = Raw(f"experiment {link(tracking.runs_url(ui, exp), exp)} on the tracking server")
     else:
         where = Raw(_inline(f"experiment `{exp}` in the working directory's MLflow store: run `evident ui` "
                             f"there (the default store is `mlflow.db`) and open experiment `{ev.campaign}`"))
@@ -201,12 +201,18 @@ def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
         ["device / dtype", f"{ev.device} / {cfg.get('dtype', '?')}"],
         ["torch / transformers", f"{pk.get('torch', '?')} / {pk.get('transformers', '?')}"],
     ]
-    summary_path = ev.path / "SUMMARY.md"
-    if summary_path.is_file():
-        summary, shown = markdown(summary_path.read_text(errors="replace"), _files(ev), lambda s: (ev.path / s).is_file())
+    exists = lambda s: (ev.path / s).is_file()  # noqa: E731
+    if exists(SUMMARY):
+        summary, shown = markdown((ev.path / SUMMARY).read_text(errors="replace"), _files(ev), exists)
     else:
-        summary, shown = "<p class=muted>No SUMMARY.md: the directory was not sealed.</p>", set()
-    plots = [rel for rel in list_files(ev.path) if rel.endswith(".png") and rel not in shown]
+        summary, shown = f"<p class=muted>No {SUMMARY}: the directory was not sealed.</p>", set()
+    details = ""  # the full tables and their plots; a directory sealed before DETAILS.md has all in SUMMARY.md
+    if exists(DETAILS):
+        details, images = markdown((ev.path / DETAILS).read_text(errors="replace"), _files(ev), exists)
+        shown |= images
+    # a skipped stage's plot is a placeholder saying why (the overlap screen's): listed under Files, not shown
+    skipped = {f for r in ev.records if r.get("status") == "skipped" for f in r.get("files") or []}
+    plots = [rel for rel in list_files(ev.path) if rel.endswith(".png") and rel not in shown | skipped]
     figures = "".join(f'<figure><img src="{esc(url(f"{_files(ev)}/{rel}"))}" alt="{esc(rel)}">'
                       f"<figcaption class=muted>{esc(rel)}</figcaption></figure>" for rel in plots)
     stages = table(["stage", "status", "seconds", "metrics", "note"], [
@@ -219,6 +225,8 @@ def evidence_page(ev: archive.Evidence, ui: str | None) -> str:
         table(["what", "value"], facts),
         "<h2>Summary</h2>", summary,
     ]
+    if details:
+        body += ["<h2>Details</h2>", details]
     if figures:
         body += ["<h2>Plots</h2>", figures]
     body += ["<h2>Stages</h2>", stages, "<h2>MLflow runs</h2>", mlflow_section(ev, ui),
@@ -241,7 +249,7 @@ def index_page(entries: list[archive.Evidence], ui: str | None, trends: frozense
     for camp in campaigns:
         rows = []
         for e in (e for e in entries if e.path.parent.name == camp):
-            summary = link(f"{camp}/{e.id}/SUMMARY.md", "SUMMARY.md") if (e.path / "SUMMARY.md").is_file() else "—"
+            summary = link(f"{camp}/{e.id}/{SUMMARY}", SUMMARY) if (e.path / SUMMARY).is_file() else "—"
             track = badge(e.tracking.get("status", "unknown"))
             if ui and e.tracking.get("parent_run_id"):  # a server is up: the badge opens the parent run
                 track = run_link(ui, e.tracking, e.tracking["parent_run_id"], track)

@@ -1,11 +1,16 @@
-"""SUMMARY.md: the pull-request evidence section, built only from the directory's files."""
+"""SUMMARY.md, the pull-request evidence section, and DETAILS.md beside it, built only from the directory's files.
+
+SUMMARY.md pastes into a GitHub comment: every gate's verdict first, short tables, the claim boundary, no image and
+no link (a relative one breaks there). The full tables and the plots are DETAILS.md's, which the archive page
+(workflow/pages.py) and MLflow show with its images."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from evident.workflow import checkpoints, floor, gsm8k, screens
-from evident.workflow.evidence import read_config, read_json
+from evident.workflow import checkpoints, floor, gates, gsm8k, screens
+from evident.workflow.evidence import DETAILS, SUMMARY, list_files, read_config, read_json
+from evident.workflow.markup import PAGES
 from evident.workflow.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
 from evident.workflow.traces import markdown
 from evident.workflow.verdicts import worst
@@ -193,35 +198,83 @@ def pairs_lines(pairs: list[dict]) -> list[str]:
                       for p in pairs]), ""]
 
 
-def render(evidence_dir: str | Path, git: dict) -> str:
-    root = Path(evidence_dir)
-    config = read_config(root / "config.yaml")
-    env = read_json(root / "env.json")
-    ckpt = read_json(root / "checkpoint.json")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    """A GitHub table without padding (SUMMARY.md's: a comment pays for every byte)."""
+    return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in [header, ["---"] * len(header), *rows])
+
+
+def _facts(root: Path, config: dict, env: dict, ckpt: dict, git: dict) -> list[str]:
+    """What ran: commit, device, versions, checkpoint."""
     pk = env["packages"]
     commit = (git.get("commit") or "unknown")[:12] + (f" + uncommitted source diff {git['dirty'][:8]}" if git.get("dirty") else "")
-    device = env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
+    t = ckpt.get("trained")
+    return [_table(["what", "value"], [
+        ["commit", f"`{commit}`"],
+        ["device / dtype", f"{_device(env)} / {config['dtype']}"],
+        ["torch / transformers", f"{pk.get('torch')} / {pk.get('transformers')}"],
+        ["checkpoint", f"{ckpt['source']}" + (f" {ckpt['repo_id']}@{ckpt['revision'][:12]}" if ckpt.get("repo_id") else "")
+         + (f" (seed {ckpt['seed']})" if ckpt.get("seed") is not None else "")
+         + (f": {t['train']['steps']} steps of {t['train']['batch_size']} x {t['train']['seq_len']} tokens on "
+            f"{t['device']}, loss {t['loss']['first']:.3f} → {t['loss']['last']:.3f}" if t else "")],
+    ] + [[f"`{name}`", f"sha256 `{f['sha256'][:16]}…`, {f['size']:,} B"]
+         for name, f in ckpt["files"].items() if name.endswith(".safetensors")]), ""]
+
+
+def _device(env: dict) -> str:
+    return env["device"] + (f" ({', '.join(env['gpus'])})" if env.get("gpus") else "")
+
+
+def _documents(root: Path) -> tuple:
+    """The config, the oracle's and the comparison's documents and summary.csv, each read once (None when the
+    campaign runs neither)."""
+    oracle, comparison = (_read(root / rel) for rel in ("oracle/hf.json", "parity/comparison.json"))
+    return read_config(root / "config.yaml"), oracle, comparison, bench_frames(root)
+
+
+def render(evidence_dir: str | Path, git: dict) -> str:
+    """SUMMARY.md: each gate's verdict with its headline figure, the figures in short, what ran, the claim boundary,
+    and where the rest is (DETAILS.md, the archive page, MLflow)."""
+    root = Path(evidence_dir)
+    config, oracle, comparison, frames = _documents(root)
+    env = read_json(root / "env.json")
+    ckpt = read_json(root / "checkpoint.json")
     skipped = [s for s in STAGES if s not in config["stages"]]
-    # the oracle's and the comparison's documents and summary.csv, each read once (absent when the campaign runs
-    # neither)
-    oracle, comparison = (read_json(root / rel) if (root / rel).is_file() else None
-                          for rel in ("oracle/hf.json", "parity/comparison.json"))
-    frames = bench_frames(root)
     out = [
         f"## Evidence: `{config['campaign']}` / `{root.name}`",
         "",
+        gates_table(root, config, comparison),
+        "",
         *parity_headline(oracle, comparison, config),
         *([f"Stages not run (the campaign's `stages:`): {', '.join(skipped)}.", ""] if skipped else []),
-        markdown(["what", "value"], [
-            ["commit", f"`{commit}`"],
-            ["device / dtype", f"{device} / {config['dtype']}"],
-            ["torch / transformers", f"{pk.get('torch')} / {pk.get('transformers')}"],
-            ["checkpoint", f"{ckpt['source']}" + (f" {ckpt['repo_id']}@{ckpt['revision'][:12]}" if ckpt.get("repo_id") else "")
-             + (f" (seed {ckpt['seed']})" if ckpt.get("seed") is not None else "")
-             + (f": {t['train']['steps']} steps of {t['train']['batch_size']} x {t['train']['seq_len']} tokens on "
-                f"{t['device']}, loss {t['loss']['first']:.3f} → {t['loss']['last']:.3f}" if (t := ckpt.get("trained")) else "")],
-        ] + [[f"`{name}`", f"sha256 `{f['sha256'][:16]}…`, {f['size']:,} B"]
-             for name, f in ckpt["files"].items() if name.endswith(".safetensors")]),
+        *parity_brief(comparison),
+        *bench_brief(root, frames),
+        *http_brief(frames),
+        *profile_brief(root),
+        "### What ran",
+        "",
+        *_facts(root, config, env, ckpt, git),
+        "### Claim boundary",
+        "",
+        *claim_boundary(root, oracle, comparison, config, env, ckpt, frames),
+        "",
+        f"Plots, full tables and each first divergence: `{DETAILS}` beside this file, the archive page "
+        f"`{PAGES}/{config['campaign']}/{root.name}.html` (`evident html`) and the MLflow parent run tagged "
+        f"`evident.id={root.name}` in experiment `{config['campaign']}` (`evident ui`).",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def render_details(evidence_dir: str | Path) -> str:
+    """DETAILS.md: every section in full, with its plots (relative images, beside the files they show)."""
+    root = Path(evidence_dir)
+    config, oracle, comparison, frames = _documents(root)
+    return "\n".join([
+        f"## Details: `{config['campaign']}` / `{root.name}`",
+        "",
+        f"The full tables behind `{SUMMARY}`, whose gates, figures and claim boundary hold for them too.",
         "",
         *oracle_section(oracle, comparison, config),
         *bench_section(root, frames, config),
@@ -230,8 +283,13 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         *audit_section(root),
         *quality_section(root),
         *profile_section(root),
-        "### Claim boundary",
-        "",
+    ])
+
+
+def claim_boundary(root: Path, oracle, comparison, config: dict, env: dict, ckpt: dict, frames) -> list[str]:
+    """What the evidence shows and does not: the parity claims, then quality's and speed's limits."""
+    device = _device(env)
+    return [
         *parity_claims(oracle, comparison, config, env, ckpt),
         ("- Does not show: quality on trained weights (the checkpoint is random: synthetic weights)"
          if ckpt["source"] == checkpoints.RANDOM else
@@ -248,9 +306,168 @@ def render(evidence_dir: str | Path, git: dict) -> str:
            "HTTP, JSON and event-stream work and its batching, not a network; a URL target's server ran wherever it "
            "ran. A figure holds for its concurrency, with every request of a round sent at once."]
           if frames and frames[1] is not None else []),
-        "",
+        *([f"- The kernel audit does not cover (why: `{DETAILS}`): {'; '.join(audit['not_covered'])}."]
+          if (audit := _read(root / "kernels/audit.json")) and audit.get("not_covered") else []),
     ]
-    return "\n".join(out)
+
+
+# --- SUMMARY.md's short forms: one line or one narrow table a section ------------------------------------------
+
+def gate_outcome(gate: gates.Gate, doc: dict | None, config: dict) -> str:
+    """What a gate's verdict means for the run, as the gate stage decides it: a gate not run says so, never a pass."""
+    if gate.stage not in config["stages"]:
+        return "not run (not in the campaign's `stages:`)"
+    if doc is None:
+        return "not run (no verdict written)"
+    verdict = doc["verdict"]
+    if gate.state(verdict) == gates.NOT_RUN:
+        return "measured nothing: not a pass"
+    if gate.fails(verdict, config):
+        return "**fails** (advisory: the run does not fail on it)" if doc.get("advisory") else "**fails the run**"
+    return "passes"
+
+
+def gate_figure(gate: gates.Gate, doc: dict | None, root: Path) -> str:
+    """The gate's headline figure: parity's exact cells, the screens' B/A, the audit's spills, quality's accuracy."""
+    if doc is None:
+        return "—"
+    if gate is gates.PARITY:
+        cells = doc["cells"]
+        return (f"{sum(c['verdict'] == 'all_token_text_exact' for c in cells)}/{len(cells)} cells exact"
+                + (f"; {len(doc['targets'])} engine target(s)" if doc.get("targets") else ""))
+    if gate.name == "quality":
+        return ", ".join(f"`{t}` {r['correct']}/{r['n']}" + (" (reference)" if t == doc["reference"] else "")
+                         for t in sorted({doc["reference"], *(x["candidate"] for x in doc["gates"])})
+                         if (r := _read(root / gsm8k.RESULT.format(target=t))))
+    if gate.name == "audit":
+        if not doc["kernels"]:
+            return doc.get("reason") or "—"
+        return f"{len(doc['kernels'])} specialisations, {sum(k['spills'] for k in doc['kernels'])} spills"
+    if "screens" in doc:  # the campaign's screens (overlap/screens.json): each one's verdict
+        return ", ".join(f"`{e['name']}` `{e['verdict']}`" for e in doc["screens"])
+    envelopes = (doc.get("timing") or {}).get("envelopes") or {}  # the built-in screen's document
+    if envelopes:
+        return "B/A " + ", ".join(f"{env} {e['ratio_b_over_a']:.3f}" for env, e in envelopes.items())
+    return doc.get("verdict_reason") or doc.get("reason") or "—"
+
+
+def _read(path: Path) -> dict | None:
+    return read_json(path) if path.is_file() else None
+
+
+def gates_table(root: Path, config: dict, comparison: dict | None = None) -> str:
+    """Every gate of gates.GATES: its verdict, what it means for the run, its headline figure."""
+    files = list_files(root)
+    rows = []
+    for g in gates.GATES:
+        rel = gates.document(g, files)
+        doc = comparison if g is gates.PARITY and comparison is not None else _read(root / rel) if rel else None
+        rows.append([g.name, f"`{doc['verdict']}`" if doc else "—", gate_outcome(g, doc, config),
+                     gate_figure(g, doc, root)])
+    return _table(["gate", "verdict", "outcome", "headline"], rows)
+
+
+def parity_brief(comparison: dict | None) -> list[str]:
+    """The parity table folded over batch sizes (one row a backend and path), the engine targets trimmed to what a
+    reviewer needs; the per-batch rows, the first divergences and what ran for each target are DETAILS.md's."""
+    if comparison is None:
+        return []
+    groups: dict[tuple, dict] = {}
+    for f in comparison["forced"]:
+        g = groups.setdefault((f["backend"], f["kernels"] + (f", {f['level']} level" if "target" in f else "")),
+                              {"batches": [], "cases": [], "verdicts": [], "logic": [], "ratio": [],
+                               "level": f.get("level", "token")})
+        mine = [c for c in comparison["cells"]
+                if (c["backend"], c["kernels"], c["batch"]) == (f["backend"], f["kernels"], f["batch"])]
+        g["batches"].append(f["batch"])
+        g["cases"] += [c for c in mine if c["case"] not in ("all", "ragged")]
+        g["verdicts"] += [c["verdict"] for c in mine]
+        g["logic"] += [f["logic"]["max"]] if f["logic"] else []
+        g["ratio"] += [f["precision"]["ratio"]] if f["precision"]["applies"] and f["precision"]["ratio"] is not None else []
+    rows = [[b, path, ", ".join(map(str, g["batches"])), free_running(g["cases"], g["level"]),
+             f"{max(g['logic']):.2g}" if g["logic"] else "—", f"{max(g['ratio']):.3f}x" if g["ratio"] else "—",
+             f"`{worst(g['verdicts'])}`"] for (b, path), g in groups.items()]
+    transport = [c for c in comparison["cells"] if c["backend"] == "host-staged vs collective"]
+    if transport:
+        rows.append(["host-staged vs collective", ", ".join(sorted({c["kernels"] for c in transport})),
+                     ", ".join(map(str, sorted({c["batch"] for c in transport}))),
+                     f"{sum(c['verdict'] == 'all_token_text_exact' for c in transport)}/{len(transport)} equal", "—", "—",
+                     f"`{worst(c['verdict'] for c in transport)}`"])
+    firsts = {(c["case"], str(c["first_divergence"])) for c in comparison["cells"] if c["first_divergence"]}
+    engines = comparison.get("targets") or {}
+    out = [f"### Parity (logic tolerance {comparison['logic_tolerance']:g} nats, precision bound "
+           f"{comparison['precision_bound']:g}x, near-tie margin {comparison['near_tie_margin']:.3g})", "",
+           _table(["backend", "path", "batches", "free-running", "logic max", "precision ratio", "verdict"], rows), ""]
+    if firsts:
+        out += [f"First divergences: {len(firsts)} distinct, each with its cells in `{DETAILS}`.", ""]
+    if engines:
+        out += [_table(["engine target", "kind", "level", "verdict", "not checked"],
+                       [[f"`{n}`", t["kind"], t["level"], f"`{t['verdict']}`",
+                         "; ".join(f"{k}: {v}" for k, v in t["not_checked"].items()) or "—"]
+                        for n, t in engines.items()]), ""]
+    if pairs := comparison.get("pairs"):
+        out += ["Variant pairs: " + ", ".join(f"`{p['a']}` vs `{p['b']}` `{p['verdict']}`" for p in pairs) + ".", ""]
+    return out
+
+
+def _pivot(rows, key: str, figure) -> str:
+    """One row a (name, prompts), one column a batch or concurrency `key`: a narrow table of `figure(row)`."""
+    cols = sorted({int(getattr(r, key)) for r in rows})
+    grid: dict[tuple, dict] = {}
+    for r in rows:
+        name = r.backend if key == "batch" else f"`{r.target}`"
+        grid.setdefault((name, SHORT.get(r.prompts, str(r.prompts))), {})[int(getattr(r, key))] = figure(r)
+    label = "b" if key == "batch" else "C="
+    return _table(["", "prompts", *(f"{label}{c}" for c in cols)],
+                  [[n, p, *(cells.get(c, "—") for c in cols)] for (n, p), cells in grid.items()])
+
+
+def bench_brief(root: Path, frames) -> list[str]:
+    """Each in-process cell's steady TPOT p50 and decode tok/s; against the baseline, the claims counted."""
+    if frames is None:
+        return []
+    noisy = lambda r: " (noisy)" if r.noisy else ""  # noqa: E731
+    out = ["### Decode benchmark, in process (steady TPOT p50 ms / decode tok/s; a noisy cell makes no claim)", "",
+           _pivot(list(frames[0].itertuples(index=False)), "batch",
+                  lambda r: f"{r.tpot_p50_ms:.2f} / {r.decode_tok_s:.0f}{noisy(r)}"), ""]
+    baseline = read_json(root / "bench/baseline.json")
+    if baseline["baseline"]:
+        claims: dict[str, int] = {}
+        for c in baseline["cells"]:
+            claims[c["claim"]] = claims.get(c["claim"], 0) + 1
+        out += [f"Against baseline `{baseline['baseline']}`: "
+                + ", ".join(f"{n} {claim}" for claim, n in claims.items()) + ".", ""]
+    return out
+
+
+def http_brief(frames) -> list[str]:
+    """Each HTTP cell's TTFT and TPOT p50; the engine over HTTP beside itself in process, as one range."""
+    from evident.workflow.benchstats import known
+
+    rows = frames and frames[1]
+    if rows is None:
+        return []
+    figure = lambda r: ("refused" if known(r.refused) else  # noqa: E731
+                        f"{r.ttft_p50_ms:.2f} / {r.tpot_p50_ms:.2f}" + (" (noisy)" if known(r.noisy) and r.noisy else ""))
+    out = ["### Benchmark over HTTP (TTFT p50 / TPOT p50 ms, streaming /v1/completions)", "",
+           _pivot(list(rows.itertuples(index=False)), "concurrency", figure), ""]
+    ratios = [r.http_over_inprocess_tpot_p50 for r in rows.itertuples(index=False)
+              if known(r.http_over_inprocess_tpot_p50)]
+    if ratios:
+        claims = [r.side_by_side_claim for r in rows.itertuples(index=False) if known(r.side_by_side_claim)]
+        out += [f"The engine over HTTP / in process, TPOT p50: {min(ratios):.2f}–{max(ratios):.2f}x; "
+                + ", ".join(f"{claims.count(c)} {c}" for c in dict.fromkeys(claims)) + ".", ""]
+    return out
+
+
+def profile_brief(root: Path) -> list[str]:
+    """The profile capture in one line: the tool, and the top kernels' shares."""
+    if not (root / "profile/capture.json").is_file():
+        return []
+    cap = read_json(root / "profile/capture.json")
+    top = ", ".join(f"`{k['kernel'][:40]}` {k['share_pct']:.1f}%" for k in cap["top"][:3])
+    return [f"Profile ({cap['tool']}, {cap['steps']} decode steps, batch {cap['batch']}): {cap['kernel_count']} "
+            f"distinct kernels; top {top}.", ""]
 
 
 def parity_headline(oracle: dict | None, comparison: dict | None, config: dict) -> list[str]:
@@ -260,8 +477,8 @@ def parity_headline(oracle: dict | None, comparison: dict | None, config: dict) 
     family = oracle["implementation"].split()[0].split(".")[-1].removesuffix("ForCausalLM")
     engines = comparison.get("targets") or {}
     also = "".join(f", `{n}` ({t['kind']}, {t['level']} level)" for n, t in engines.items())
-    return [f"**Parity verdict: `{comparison['verdict']}`** — the engine (`engine/`){also} against the Hugging Face "
-            f"transformers {family} oracle, greedy decoding, {len(config['cases'])} cases.", ""]
+    return [f"Parity: the engine (`engine/`){also} against the Hugging Face transformers {family} oracle, greedy "
+            f"decoding, {len(config['cases'])} cases.", ""]
 
 
 def oracle_section(oracle: dict | None, comparison: dict | None, config: dict) -> list[str]:
@@ -503,13 +720,13 @@ def overlap_section(root: Path) -> list[str]:
 
 
 def screen_section(s: dict, plot: str, level: str = "###") -> list[str]:
-    """One screen (its screen.json) under a heading of `level`: bitwise counts, then medians per envelope or why
-    not; or why it was skipped."""
+    """One screen (its screen.json) under a heading of `level`: bitwise counts, then medians per envelope and their
+    plot, or why not; or why it was skipped."""
     name = s.get("name", screens.BUILTIN)  # a directory sealed before screens had names: the built-in's
     title = "Overlap A/B screen" if name == screens.BUILTIN else f"Overlap A/B screen `{name}`"
     if s.get("skipped"):
-        return [f"{level} {title} (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", "",
-                f"![overlap screen]({plot})", ""]
+        # no image: the stage's plot of a skipped screen is a panel of the text above
+        return [f"{level} {title} (skipped)", "", f"**Verdict: `{s['verdict']}`** — {s['verdict_reason']}.", ""]
     sh, bw, tm = s["shapes"], s["bitwise"], s["timing"]
     if sh:
         source = {"model": "shapes from the model", "campaign": "shapes stated by the campaign",
@@ -534,7 +751,7 @@ def screen_section(s: dict, plot: str, level: str = "###") -> list[str]:
         "",
     ]
     if not tm["measured"]:
-        return out + [f"Timing not measured: {tm['reason']}.", "", f"![overlap screen]({plot})", ""]
+        return out + [f"Timing not measured: {tm['reason']}.", ""]  # nothing timed, nothing to plot
 
     def cell(v: dict) -> str:
         return f"{v['median_us']:.2f} ({v['p10_us']:.2f}–{v['p90_us']:.2f})"

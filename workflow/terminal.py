@@ -28,24 +28,38 @@ def table(header, rows) -> str:
     return tabulate(rows, headers=header, tablefmt="simple", disable_numparse=True)
 
 
-def fit(header: list[str], rows: list[list]) -> str:
+def fit(header: list[str], rows: list[list], keep: tuple[int, ...] = (), tight: bool = False) -> str:
     """`table` within WIDTH: the widest columns give way first (down to 8 characters), their cells wrapped onto
-    more lines, never cut. tabulate's `simple` format puts two spaces between columns and none around, and
-    makes a column two wider than its header."""
+    more lines, never cut; the columns numbered in `keep` (an id one copies) only once no other can. tabulate's
+    `simple` format puts two spaces between columns and none around, and makes a column two wider than its
+    header; `tight`: no wider than its header (the same layout, drawn here, for a listing whose every column
+    counts)."""
     def longest(v) -> int:
         return max(map(len, str(v).splitlines() or [""]))
 
-    widths = [max([longest(h) + 2, *(longest(v) for v in col)]) for h, *col in zip(header, *rows)]
+    pad = 0 if tight else 2
+    widths = [max([longest(h) + pad, *(longest(v) for v in col)]) for h, *col in zip(header, *rows)]
     room = WIDTH - 2 * (len(widths) - 1)
     while sum(widths) > room and max(widths) > 8:
-        widths[widths.index(max(widths))] -= 1
+        free = [0 if i in keep else w for i, w in enumerate(widths)]
+        pick = free if max(free) > 8 else widths
+        widths[pick.index(max(pick))] -= 1
 
     def cell(v, w: int) -> str:
         return "\n".join(textwrap.fill(line, w, break_long_words=True, break_on_hyphens=True) if len(line) > w
                          else line for line in (str(v).splitlines() or [""]))
 
-    return table([cell(h, w - 2) for h, w in zip(header, widths)],
-                 [[cell(v, w) for v, w in zip(row, widths)] for row in rows])
+    head = [cell(h, w - pad) for h, w in zip(header, widths)]
+    body = [[cell(v, w) for v, w in zip(row, widths)] for row in rows]
+    if not tight:
+        return table(head, body)
+
+    def lines(cells: list[str]) -> list[str]:
+        parts = [c.splitlines() or [""] for c in cells]
+        return ["  ".join((p[i] if i < len(p) else "").ljust(w) for p, w in zip(parts, widths)).rstrip()
+                for i in range(max(map(len, parts)))]
+
+    return "\n".join([*lines(head), "  ".join("-" * w for w in widths), *(x for row in body for x in lines(row))])
 
 
 def split_table(fixed_header: list[str], fixed_rows: list[list], header: list[str], columns: list[list],

@@ -23,42 +23,62 @@ without opening a child (all read from the stage records, bench cells and env.js
   `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
   median ratio per timing envelope, `warm` and `scrubbed`, of the built-in screen; `overlap.<screen>.<envelope>.
   b_over_a` of each of the campaign's `screens`). Only records with status ok count.
-- artifacts: SUMMARY.md, config.yaml, env.json, checkpoint.json, MANIFEST.json and `plots/*.png` under
-  `plots/`, the path SUMMARY.md's image links name. MLflow 3.17.2's markdown artifact view does not resolve
-  those links: it renders an image only when its URL has a scheme (`data:`, `http:` ...) and prints a
-  relative one as `[alt](plots/x.png)` text. So the parent also gets `SUMMARY-with-plots.md` (`summary_view`):
-  SUMMARY.md with each plot embedded as a data: URI, which MLflow renders with its plots.
+- tags, per noisy bench cell: `bench.<cell>.noisy` = `true` (the cell's `stats.noisy`, workflow/benchstats.py), so
+  that a TPOT in the runs table is never read without its noise flag.
+- artifacts: SUMMARY.md, DETAILS.md (`evidence.DETAILS`, where the directory has one), config.yaml, env.json,
+  checkpoint.json, MANIFEST.json and `plots/*.png` under `plots/`, the path the markdown's image links name.
+  MLflow 3.17.2's markdown view does not show those links: its image component prints an address without a
+  scheme as `[alt](plots/x.png)` text, and its URL filter (react-markdown's default) empties any scheme but
+  http(s), mailto, irc(s) and xmpp, so a data: URI becomes `<img src="">` (seen in Chromium). So each markdown
+  file with plot links also gets `<name>-with-plots.md` (`plot_view`): the same text with each link as
+  `http:get-artifact?path=plots/x.png&run_uuid=<parent>`. The scheme satisfies both checks; a browser resolves an
+  address of the page's own scheme with no host against the page, so it names the server's own artifact endpoint
+  (under any `--static-prefix`). `https:` where the store is an https server; tests/test_mlflow_browser.py loads
+  the plots in Chromium.
 
 The experiment is created with the tag `mlflow.experimentKind` = `custom_model_development` (set too on an
-experiment that lacks it). MLflow 3's UI knows the kinds `genai_development` (opens on the GenAI overview or
-traces) and `custom_model_development` ("Machine learning": opens on the runs table), plus the
-`*_inferred`, `no_inferred_type`, `finetuning`, `forecasting`, `classification`, `regression`, `automl` labels.
-MLflow 3.17.2's UI reads the tag only when its workflow-type switch is off; it is on in the released UI,
-which takes the kind from that switch instead (the sidebar's GenAI / Machine learning, `?workflowType=
-machine_learning` in the URL, remembered in the browser's local storage, `genai` by default).
+experiment that lacks it), which MLflow 3 UIs without the workflow-type switch read to open on the runs table.
+MLflow 3.17.2's UI ignores the tag (its switch is compiled on): it opens an experiment on the GenAI overview
+unless the URL says `?workflowType=machine_learning` or the sidebar's "Model training" was picked once in that
+browser (local storage). Its experiment list links plain `#/experiments/<id>`, so only links written here
+(`runs_url`) open on the runs.
+
+The runs table's columns: MLflow keeps them in the browser, except a shared view, an experiment tag
+`mlflow.sharedViewState.<key>` that a URL of the runs route with `viewStateShareKey=<key>` loads (with a banner
+"You're viewing a shared view"). The experiment carries one, `mlflow.sharedViewState.evident` (`VIEW_KEY`): the
+headline tags and metrics of every parent logged into it (`shared_view`), so `runs_url` opens the runs table with
+them as columns.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as _dt
 import fcntl
-import io
+import json
 import os
 import re
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 from evident.workflow import gates, runs
-from evident.workflow.evidence import MANIFEST, flatten, read_config, read_json, stage_records
+from evident.workflow.evidence import DETAILS, MANIFEST, SUMMARY, flatten, read_config, read_json, stage_records
 
-PARENT_FILES = ("SUMMARY.md", "config.yaml", "env.json", "checkpoint.json")
-PLOTS = "plots/*.png"  # beside SUMMARY.md, at the relative path its image links name
+PARENT_FILES = ("config.yaml", "env.json", "checkpoint.json")  # and the markdown files (`markdown_files`)
+PLOTS = "plots/*.png"  # beside the markdown files, at the relative path their image links name
 MAX_PARAM_CHARS = 6000
+BENCH_STAGES = ("bench-", "serve_bench-")  # the stage records of bench cells (session.engine_stage names them)
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # "Machine learning": the runs view
-SUMMARY_VIEW = "SUMMARY-with-plots.md"
 PLOT_LINK = re.compile(r"!\[([^\]]*)\]\((plots/[^)\s]+\.png)\)")
+VIEW_KEY = "evident"
+SHARED_VIEW = f"mlflow.sharedViewState.{VIEW_KEY}"
+
+
+def runs_url(ui: str, experiment_id: str) -> str:
+    """An experiment's runs table on the MLflow UI at `ui`, with the headline as columns (the module docstring says
+    why each part: the key is read only on the runs route, and the bare experiment route drops it)."""
+    return f"{ui}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
 
 
 def client(uri: str | None = None):
@@ -142,7 +162,7 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
     ok = {r["name"]: r for r in records if r.get("status") == "ok"}
     kernels = (config.get("bench") or {}).get("kernels") or "torch"
     for rec in ok.values():
-        if not rec["name"].startswith(("bench-", "serve_bench-")):
+        if not rec["name"].startswith(BENCH_STAGES):
             continue
         for f in rec.get("files", []):
             if not (f.startswith("bench/") and f.endswith(".json") and (root / f).is_file()):
@@ -156,6 +176,8 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
                 metrics[f"{name}.ttft_p50_ms"] = (cell["stats"].get("ttft") or {}).get("p50")
             metrics[f"{name}.tpot_p50_ms"] = (cell["stats"].get("tpot") or {}).get("p50")
             metrics[f"{name}.tok_s"] = cell["stats"].get("decode_tok_s", cell["stats"].get("output_tok_s"))
+            if cell["stats"].get("noisy"):
+                tags[f"{name}.noisy"] = "true"
     m = ok.get("compare", {}).get("metrics", {})
     metrics.update({f"parity.{k}": m[k] for k in ("cells", "cells_exact") if k in m})
     m = ok.get("quality", {}).get("metrics", {})
@@ -168,23 +190,32 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
     return numeric, tags
 
 
-def summary_view(root: Path) -> str | None:
-    """SUMMARY.md with each `plots/x.png` image as a data: URI of that plot, scaled to at most 900 px in 64
-    colours (about 15 KB a plot: MLflow opens a file above 100 KB as source, not rendered). None without one."""
-    from PIL import Image  # matplotlib's own dependency
+def markdown_files(root: Path) -> list[Path]:
+    return [root / f for f in (SUMMARY, DETAILS) if (root / f).is_file()]
 
-    def embed(m: re.Match) -> str:
-        buf = io.BytesIO()
-        try:
-            with Image.open(root / m.group(2)) as im:
-                im.thumbnail((900, 900))
-                im.convert("RGB").quantize(64).save(buf, "PNG", optimize=True)
-        except OSError:  # missing, or not an image: the link stays as it is
-            return m.group(0)
-        return f"![{m.group(1)}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})"
 
-    summary = root / "SUMMARY.md"
-    return PLOT_LINK.sub(embed, summary.read_text()) if summary.is_file() else None
+def view_name(md: Path) -> str:
+    return f"{md.stem}-with-plots.md"
+
+
+def plot_view(text: str, run_id: str, scheme: str = "http") -> str | None:
+    """The markdown with each `plots/x.png` link as the run's own artifact on the server that shows it (the module
+    docstring says why); None without a plot link."""
+    def link(m: re.Match) -> str:
+        query = urllib.parse.urlencode({"path": m.group(2), "run_uuid": run_id})
+        return f"![{m.group(1)}]({scheme}:get-artifact?{query})"
+
+    view = PLOT_LINK.sub(link, text)
+    return view if view != text else None
+
+
+def shared_view(old: str | None, metrics: dict, tags: dict) -> str:
+    """The experiment's shared view (`SHARED_VIEW`): the runs table's columns, the headline tags then the metrics,
+    kept from the parents logged before (a campaign's cells change over its history)."""
+    cols = set(json.loads(old).get("selectedColumns", [])) if old else set()
+    cols |= {f"tags.`{k}`" for k in tags} | {f"metrics.`{k}`" for k in metrics}
+    cols = sorted(cols, key=lambda c: (not c.startswith("tags."), c))
+    return json.dumps({"selectedColumns": cols, "columnOrder": cols})  # without the order, the metrics come first
 
 
 def _find(c, exp_id: str, filters: list[str]):
@@ -255,17 +286,23 @@ def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
             c.set_terminated(child.info.run_id, "FAILED" if rec["status"] == "failed" else "FINISHED")  # skipped: tag evident.status
         children[name] = child.info.run_id
 
+    metrics, tags = headline(root, records, config)
+    old = c.get_experiment(exp_id).tags.get(SHARED_VIEW)
+    if (view := shared_view(old, metrics, tags)) != old:  # also for a sealed directory
+        c.set_experiment_tag(exp_id, SHARED_VIEW, view)
     if parent.info.status != "FINISHED":
-        files = [root / f for f in PARENT_FILES if (root / f).is_file()] + sorted(root.glob(PLOTS))
+        mds = markdown_files(root)
+        files = mds + [root / f for f in PARENT_FILES if (root / f).is_file()] + sorted(root.glob(PLOTS))
         params = {"campaign": config["campaign"], "device": config.get("device"), "dtype": config.get("dtype")}
-        metrics, tags = headline(root, records, config)
         logged = parent.data.metrics  # a RUNNING parent reused after a crash: each value once
         metrics = {k: v for k, v in metrics.items() if logged.get(k) != float(v)}
         _log_run(c, pid, params, metrics, {**common, **tags}, files, root)
-        if (view := summary_view(root)) is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / SUMMARY_VIEW).write_text(view)
-                c.log_artifact(pid, str(Path(tmp) / SUMMARY_VIEW))
+        scheme = "https" if (uri or os.environ.get("MLFLOW_TRACKING_URI", "")).startswith("https:") else "http"
+        with tempfile.TemporaryDirectory() as tmp:
+            for md in mds:
+                if (text := plot_view(md.read_text(), pid, scheme)) is not None:
+                    (Path(tmp) / view_name(md)).write_text(text)
+                    c.log_artifact(pid, str(Path(tmp) / view_name(md)))
     return {"experiment_id": exp_id, "parent_run_id": pid, "child_run_ids": children}
 
 

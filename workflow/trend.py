@@ -16,10 +16,14 @@ sealed evidence directories, with the regressions beyond the noise flagged as `e
   spread the noise rule reads); for tok/s, the min and max of the per-repeat decode tok/s, recomputed from the
   cell's raw `repeats` by `benchstats.tok_s`, as the cell's own. A cell
   without them has no band (empty in the CSV).
-- The flag: each cell against the previous directory that has the same cell, through
+- The flag: each cell against a previous directory that has the same cell (`baseline`: the latest on a like
+  machine, by the probe, else the one whose probe was nearest), through
   benchstats.directional_claim (the rule `evident diff` and bench_report apply: same contract, versions and
-  model, neither cell noisy, a TPOT p50 change beyond the larger spread). `slower` is a regression. The claim
-  is on TPOT p50 whichever metric is shown: it is the only noise-aware rule the bench records.
+  model, neither cell noisy, the machine probes alike, a TPOT p50 change beyond the larger spread and the minimum
+  effect). `slower` is a regression. The claim is on TPOT p50 whichever metric is shown: it is the only
+  noise-aware rule the bench records.
+- The marks: a noisy cell's point (`noisy`) and a comparison the machine probe refused (`probe_ratio`, the cell's
+  probe median over its baseline's; `probe_ms` the cell's own) are `~` in the terminal and ringed in the PNG.
 - Fewer than two sealed directories: one is written and printed as it is (one point per cell, nothing to
   compare, said so); none is an error, as is a campaign that does not exist (the known ones are listed).
 
@@ -52,8 +56,8 @@ ERROR = 2
 
 COLUMNS = ["campaign", "order", "evidence", "commit", "created_utc", "cell", "backend", "kernels", "prompts", "batch",
            "target", "concurrency",
-           "metric", "value", "band_lo", "band_hi", "spread", "noisy", "baseline", "tpot_p50_change_pct",
-           "tok_s_change_pct", "claim", "regression", "reason"] + [f"gate_{g.name}" for g in GATES]
+           "metric", "value", "band_lo", "band_hi", "spread", "noisy", "probe_ms", "baseline", "tpot_p50_change_pct",
+           "tok_s_change_pct", "probe_ratio", "claim", "regression", "reason"] + [f"gate_{g.name}" for g in GATES]
 REGRESSION = "slower"
 
 
@@ -120,9 +124,22 @@ def _values(cell: dict, metric: str) -> tuple[float | None, float | None, float 
 
 def _claim(cell: dict, prev: dict | None) -> dict:
     if prev is None:
-        return {"claim": "", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                "reason": "the first directory with this cell"}
+        return {**diff.no_claim("the first directory with this cell"), "claim": ""}
     return diff.cell_claim(cell, prev)
+
+
+def baseline(cell: dict, before: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """The directory a cell is compared with, of those before it with the cell: the latest on a like machine
+    (benchstats.alike), else the one whose machine probe was nearest the cell's, else (no probes) the latest. So one
+    run on a loaded machine neither makes a change in the next run nor hides one."""
+    def distance(b: tuple[str, dict]) -> float:
+        try:
+            if benchstats.alike(cell["stats"], b[1]["stats"]):
+                return 0.0
+            return abs(math.log(benchstats.probe_ratio(cell["stats"], b[1]["stats"])))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return 0.0  # a malformed cell: directional_claim says so
+    return min(reversed(before), key=distance) if before else None  # min keeps the first, the latest, of equals
 
 
 def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str] | None = None,
@@ -144,7 +161,7 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
         if unknown:
             raise TrendError(f"no cell {', '.join(map(repr, unknown))} in these directories "
                              f"(cells: {', '.join(known) or 'none'})")
-    rows, prev = [], {}
+    rows, prev = [], {}  # cell -> [(evidence id, cell)] of the directories before, oldest first
     for order, (ev, found) in enumerate(zip(entries, per_dir), start=1):
         base = {"campaign": ev.campaign, "order": order, "evidence": ev.id, "commit": ev.commit,
                 "created_utc": ev.created, **{f"gate_{g.name}": ev.gates.get(g.name, "") for g in GATES}}
@@ -155,7 +172,7 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
             files = found[name]
             _, cell = files[0]
             value, lo, hi = _values(cell, metric)
-            last, against = prev.get(name), ""
+            last, against = baseline(cell, prev.get(name, [])), ""
             if len(files) > 1:
                 claim = diff.no_claim(f"{len(files)} files for this cell ({', '.join(f for f, _ in files)})")
             elif value is None:
@@ -163,7 +180,7 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
             else:
                 claim = _claim(cell, last[1] if last else None)
                 against = last[0] if last else ""
-                prev[name] = (ev.id, cell)
+                prev.setdefault(name, []).append((ev.id, cell))
             stats = cell.get("stats") if isinstance(cell.get("stats"), dict) else {}
             try:
                 what = diff.identity(cell)
@@ -173,7 +190,7 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
                          "metric": metric, "value": value, "band_lo": lo, "band_hi": hi,
                          "spread": diff.number(stats.get("spread")),
                          "noisy": bool(stats.get("noisy", True)) if "noisy" in stats else None,
-                         "baseline": against,
+                         "probe_ms": diff.number(stats.get("probe_ms")), "baseline": against,
                          **claim, "regression": claim["claim"] == REGRESSION})
     frame = pd.DataFrame(rows, columns=COLUMNS).astype({"regression": bool})
     frame.attrs["ordered_by"] = ordered_by
@@ -196,6 +213,13 @@ def _text(v) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
 
 
+def unsteady(row: dict) -> bool:
+    """Whether a point is noise: its cell is noisy, or its comparison was refused as noise (a noisy baseline cell,
+    the machine probe differing between the runs)."""
+    noisy, reason = row.get("noisy"), _text(row.get("reason"))
+    return (noisy is not None and noisy == noisy and bool(noisy)) or "noisy" in reason or benchstats.MACHINE in reason
+
+
 def mark(row: dict) -> str:
     """The terminal's and the page's one-character reading of a point's claim."""
     claim, reason = _text(row.get("claim")), _text(row.get("reason"))
@@ -203,16 +227,17 @@ def mark(row: dict) -> str:
         return "▲"
     if claim == "faster":
         return "▼"
-    if claim and ("noisy" in reason):
+    if unsteady(row):
         return "~"
     if claim and "within noise" not in reason:
         return "≠"  # not comparable: contract, versions or model differ, or a malformed cell
     return ""
 
 
-LEGEND = ("▲ slower beyond the noise (a regression), ▼ faster beyond the noise, ~ a noisy cell (no claim), "
+LEGEND = ("▲ slower beyond the noise (a regression), ▼ faster beyond the noise, ~ noise: a noisy cell, or the machine "
+          "differed between the runs (its probe; no claim), "
           "≠ not comparable (contract, versions or model differ), — no cell; each against the previous directory "
-          "with the cell, by the rule of evident diff")
+          "with the cell on a like machine (by its probe; else the nearest), by the rule of evident diff")
 
 
 def write(frame, out: str | Path, name: str, title: str) -> tuple[Path, Path]:
@@ -220,14 +245,15 @@ def write(frame, out: str | Path, name: str, title: str) -> tuple[Path, Path]:
     out = Path(out)
     csv = write_text(out / f"{name}.csv", frame.to_csv(index=False))
     metric = str(frame["metric"].iloc[0]) if len(frame) else TPOT
-    return plot(frame, out / f"{name}.png", title, METRICS[metric]), csv
+    return plot(frame, out / f"{name}.png", title, METRICS[metric], unsteady), csv
 
 
 def title(campaign: str, n: int, metric: str = TPOT, ordered_by: str = "created") -> str:
     what = "steady TPOT p50" if metric == TPOT else "decode tok/s"
     return (f"{campaign}: {what} per bench cell over {n} sealed director{'y' if n == 1 else 'ies'}, "
             f"{ORDERS[ordered_by]}\n"
-            f"band: {BANDS[metric].replace('min-max', 'min–max')}; red × slower beyond the noise")
+            f"band: {BANDS[metric].replace('min-max', 'min–max')}\n"
+            "red × slower beyond the noise; ringed: noise, no claim")
 
 
 # --- the terminal ----------------------------------------------------------------------------
@@ -270,10 +296,11 @@ def report(frame, metric: str = TPOT) -> str:
     lines += ["", f"Regressions (TPOT p50 slower beyond the noise, against the previous directory with the cell): "
               f"{len(bad) or 'none'}"]
     if bad:
-        lines.append(table(["cell", "directory", "against", "TPOT p50", "tok/s", "spread"],
+        lines.append(table(["cell", "directory", "against", "TPOT p50", "tok/s", "spread", "probe"],
                            [[r["cell"], f"#{r['order']} {r['commit']}", f"#{order.get(r['baseline'], '?')}",
                              pct(r["tpot_p50_change_pct"]), pct(r["tok_s_change_pct"]),
-                             f"{diff.number(r['spread']) * 100:.1f}%" if diff.number(r["spread"]) is not None else "—"]
+                             f"{diff.number(r['spread']) * 100:.1f}%" if diff.number(r["spread"]) is not None else "—",
+                             f"x{r['probe_ratio']:.2f}" if diff.number(r["probe_ratio"]) is not None else "—"]
                             for r in bad]))
     return "\n".join(lines)
 

@@ -1,5 +1,6 @@
 """The PNG of a campaign's trend (workflow/trend.py's frame): each bench cell's line over the directories, its band
-shaded, its regressions marked, and the gate verdicts in a strip under it. `evident trend` and the archive's
+shaded, its regressions marked, its noise ringed (trend.unsteady: a noisy cell, a comparison the machine probe
+refused), and the gate verdicts in a strip under it. `evident trend` and the archive's
 trends pages (workflow/trend_page.py) write it, through trend.write.
 """
 
@@ -9,14 +10,15 @@ import io
 from pathlib import Path
 
 from evident.workflow.evidence import write_bytes
-from evident.workflow.gates import GATES
+from evident.workflow.gates import GATES, NOT_RUN
 from evident.workflow.runs import label_key
 
 
-def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
+def plot(frame, path: str | Path, title: str, ylabel: str, unsteady=lambda row: False) -> Path:
     """One line per cell (x: the directories in order, labelled by commit) with its band shaded, regressions
-    marked, and a strip of gate verdicts under it (green passes, red fails the run, grey not run). Bare Figure on the
-    Agg canvas, no "Software" chunk (same frame, same bytes), written atomically."""
+    marked, the points `unsteady(row)` says are noise ringed, and a strip of gate verdicts under it (Gate.state:
+    green passes, red fails the run, grey not run or measured nothing). Bare Figure on the Agg canvas, no
+    "Software" chunk (same frame, same bytes), written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -30,7 +32,7 @@ def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
     else:
         ax, strip = fig.subplots(1, 1), None
     cells = frame[frame["cell"].astype(object).fillna("") != ""]
-    flagged = []
+    flagged, ringed = [], []
     for name in sorted(cells["cell"].unique(), key=label_key):
         c = cells[(cells["cell"] == name) & cells["value"].notna()].sort_values("order")
         if c.empty:
@@ -44,10 +46,14 @@ def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
                         yerr=[(banded["value"] - banded["band_lo"]).astype(float),
                               (banded["band_hi"] - banded["value"]).astype(float)], capsize=2, linewidth=0.8)
         flagged.append(c[c["regression"]])
+        ringed += [(r["order"], r["value"]) for r in c.to_dict("records") if unsteady(r)]
     bad = [b for b in flagged if len(b)]
     if bad:
         ax.scatter([x for b in bad for x in b["order"]], [v for b in bad for v in b["value"]], marker="X", s=90,
                    color="#cf222e", zorder=5, label="regression (slower beyond the noise)")
+    if ringed:
+        ax.scatter(*zip(*ringed), s=110, facecolors="none", edgecolors="#57606a", linewidths=1.2, zorder=4,
+                   label="noise: a noisy cell or the machine differed (no claim)")
     if cells.empty:
         ax.text(0.5, 0.5, "no bench cells in these directories", ha="center", va="center", transform=ax.transAxes)
     else:
@@ -59,15 +65,14 @@ def plot(frame, path: str | Path, title: str, ylabel: str) -> Path:
     ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
     bottom = ax
     if strip is not None:
-        colors = {"pass": "#2da44e", "fail": "#cf222e", "none": "#d0d7de"}
+        colors = {"pass": "#2da44e", "fail": "#cf222e", NOT_RUN: "#d0d7de"}
         for j, g in enumerate(gates):
             for x, v in zip(dirs["order"], dirs[f"gate_{g.name}"].astype(object).fillna("")):
-                state = "none" if not v else ("fail" if v in g.failing else "pass")
-                strip.scatter([x], [j], marker="s", s=110, color=colors[state])
+                strip.scatter([x], [j], marker="s", s=110, color=colors[g.state(v)])
         strip.set_yticks(range(len(gates)))
         strip.set_yticklabels([g.name for g in gates], fontsize=8)
         strip.set_ylim(-0.6, len(gates) - 0.4)
-        strip.set_xlabel("gates: green passes, red fails the run, grey not run", fontsize=8)
+        strip.set_xlabel("gates: green passes, red fails the run, grey not run or measured nothing", fontsize=8)
         bottom = strip
     bottom.set_xticks(xs)
     bottom.set_xticklabels(labels, rotation=45 if len(xs) > 6 else 0, ha="right" if len(xs) > 6 else "center",

@@ -4,6 +4,10 @@ The UI needs the full mlflow package (the project's `ui` extra; a plain install 
 does not serve). The first call installs the extra's requirements into this environment from the package registry.
 While the UI runs, the static archive (evidence/index.html) links each evidence directory to its MLflow runs on it;
 when it stops, the archive is written again without those links, so none points at a server that is gone.
+
+The server is quiet: its output (no access log) goes to `.evident/ui.log`, shown only if it fails. It runs in its
+own process group, which Ctrl-C, SIGTERM and SIGHUP to `evident ui` stop whole (`mlflow ui` leaves its uvicorn
+workers and job runner serving the port when only its own process is signalled).
 """
 
 from __future__ import annotations
@@ -11,14 +15,20 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
 HOST = "127.0.0.1"  # never another interface: the store has no authentication
 DEFAULT_STORE = "sqlite:///mlflow.db"  # MLflow's default tracking URI, which the pipeline logs to
+LOG = Path(".evident/ui.log")
+# One user on loopback: one uvicorn worker and no job runner (its 7 huey consumers serve GenAI scorers and trace
+# archival, not runs), 2 processes in all instead of 15, which also start faster.
+ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def store(uri: str | None) -> str:
@@ -50,7 +60,46 @@ def install() -> int:
 
 
 def command(uri: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "mlflow", "ui", "--host", HOST, "--port", str(port), "--backend-store-uri", uri]
+    return [sys.executable, "-m", "mlflow", "ui", "--host", HOST, "--port", str(port), "--backend-store-uri", uri,
+            "--workers", "1", "--uvicorn-opts", "--no-access-log"]
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM and SIGHUP end the server as Ctrl-C does
+
+
+def serve(cmd: list[str]) -> int:
+    """Run the server in its own process group until it exits or this process is interrupted or terminated; then
+    stop the whole group (TERM, then KILL after 20 s). Its exit status, 0 when stopped here."""
+    LOG.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOG, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **ENV})
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, _stop) for s in signals}
+    try:
+        rc = proc.wait()
+        if rc:
+            print(f"evident ui: mlflow ui exited with {rc}; its log ({LOG}):\n{LOG.read_text()[-3000:]}",
+                  file=sys.stderr)
+        return rc
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C does not cut the stop short
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+            deadline = time.monotonic() + grace
+            try:
+                os.killpg(proc.pid, sig)
+                while time.monotonic() < deadline:  # until the group is gone: its workers outlive `mlflow ui`
+                    proc.poll()  # reaps the leader, so that it stops counting
+                    os.killpg(proc.pid, 0)
+                    time.sleep(0.1)
+            except ProcessLookupError:
+                break
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def cmd_ui(args) -> int:
@@ -68,12 +117,10 @@ def cmd_ui(args) -> int:
     index = Path(args.root) / "index.html"
     if index.parent.is_dir():
         pages.write_archive(args.root, url)
-        print(f"evident ui: {index.as_posix()} links each evidence directory's runs on {url}")
-    print(f"evident ui: {uri} on {url} (Ctrl-C stops it)", flush=True)
+    links = f"; {index.as_posix()} links each directory's runs" if index.parent.is_dir() else ""
+    print(f"evident ui: {url} serves {uri}{links} (Ctrl-C stops it)", flush=True)
     try:
-        return subprocess.call(command(uri, args.port))
-    except KeyboardInterrupt:
-        return 0
+        return serve(command(uri, args.port))
     finally:
         if index.parent.is_dir():
             pages.write_archive(args.root)

@@ -41,8 +41,8 @@ CAMPAIGN = {"campaign": "faults", "device": "cpu", "checkpoint": tinyev.syntheti
             "profile": {"steps": 1}}
 # Files whose content depends on the clock: stage records (start, finish, seconds), logs, bench timings and
 # what is drawn or written from them. Everything else must be byte-identical between two runs.
-TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "stages/", "logs/", "bench/", "plots/bench.png", "profile/",
-                "plots/profile.png")
+TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "DETAILS.md", "stages/", "logs/", "bench/", "plots/bench.png",
+                "profile/", "plots/profile.png")
 
 
 SLOW_HOOK = "EVIDENT_TEST_SLOW_STAGE"

@@ -11,6 +11,7 @@ report: "../report/workflow.rst"
 # sealed by an older version may lack a newer stage's file; it is then left out of the report.
 REPORTED = {  # name: (path, caption, category, the stage that writes it; None: every campaign)
     "summary": (f"{E}/SUMMARY.md", "summary.rst", "Evidence", None),
+    "details": (f"{E}/DETAILS.md", "details.rst", "Evidence", None),
     "manifest": (f"{E}/MANIFEST.json", "manifest.rst", "Evidence", None),
     "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity", "parity"),
     "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark", "bench"),

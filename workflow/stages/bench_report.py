@@ -2,7 +2,8 @@
 
 Writes bench/summary.csv, plots/bench.png and bench/baseline.json. A baseline (`bench.baseline`:
 an evidence directory, or an evidence id, any unique part of one, or @latest, in this campaign) yields a directional
-claim per cell only where contract, versions and model match and neither cell is noisy.
+claim per cell by benchstats.directional_claim: only where contract, versions and model match, neither cell is noisy,
+the machine probes agree and the change passes the minimum effect. The plot rings noisy cells.
 The cells of the benchmark over HTTP (stage serve_bench) follow the in-process rows of summary.csv (`transport`
 http): the builtin engine's HTTP cell at concurrency C beside its in-process cell of the single backend at batch C,
 on the same decode path and prompt contract (benchstats.side_by_side: the HTTP / in-process ratios and a
@@ -48,8 +49,7 @@ def compare_to(cells: list[dict], base_dir: Path) -> list[dict]:
         name = file_name(cell)
         base_file = base_dir / "bench" / f"{name}.json"
         if not base_file.is_file():
-            claim = {"claim": "no directional claim", "tpot_p50_change_pct": None, "tok_s_change_pct": None,
-                     "reason": f"the baseline has no {name} cell"}
+            claim = benchstats.no_claim(f"the baseline has no {name} cell")
         else:
             claim = benchstats.directional_claim(cell, read_json(base_file))
         out.append({"cell": name, "prompts": prompts,

@@ -19,9 +19,11 @@ from evident.workflow.runs import STAGES
 from evident.workflow.summary import divergence
 
 
-def failure(gate, doc: dict, path: str) -> str | None:
-    if doc["verdict"] not in gate.failing or doc.get("advisory"):
+def failure(gate, doc: dict, path: str, config: dict) -> str | None:
+    if not gate.fails(doc["verdict"], config) or doc.get("advisory"):
         return None
+    if doc["verdict"] not in gate.failing:
+        return f"parity.require_exact is set and the verdict is {doc['verdict']}"
     why = doc.get("first_divergence") or doc.get("reason")
     if isinstance(why, dict):  # a parity divergence, in SUMMARY.md's words (a prompt position, not a step -52)
         try:
@@ -40,10 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest = read_json(args.evidence / MANIFEST)
     paths = {g.name: path for g in GATES if (path := document(g, manifest["files"]))}
     docs = {name: read_json(args.evidence / path) for name, path in paths.items()}
-    failed = [why for g in GATES if g.name in docs and (why := failure(g, docs[g.name], paths[g.name]))]
-    parity = docs.get(PARITY.name, {}).get("verdict")
-    if config["parity"]["require_exact"] and parity is not None and parity != "all_token_text_exact":
-        failed.append(f"parity.require_exact is set and the verdict is {parity}")
+    failed = [why for g in GATES if g.name in docs and (why := failure(g, docs[g.name], paths[g.name], config))]
     verdicts = {g.name: docs[g.name]["verdict"] if g.name in docs else None for g in GATES}
     advisory = sorted(n for n, d in docs.items() if d.get("advisory") and d["verdict"] != "pass")
     engines = target_verdicts(docs.get(PARITY.name, {}))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evident.engine.config import V4, load_args
 from evident.workflow import environment
-from evident.workflow.gates import BY_NAME
+from evident.workflow.gates import BY_NAME, NOT_COMPILED
 from evident.workflow.evidence import Stage, read_config, stage_args
 
 AUDIT_GATE = BY_NAME["audit"]
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         if device != "cuda":
             reason = "no CUDA device: the Triton interpreter compiles nothing, so there is no register report"
             st.skip(reason)
-            st.write_json(AUDIT, {"verdict": "not_compiled", "reason": reason, "kernels": [], "covers": [],
+            st.write_json(AUDIT, {"verdict": NOT_COMPILED, "reason": reason, "kernels": [], "covers": [],
                                   "would_cover": list(COVERED), "not_covered": missing})
-            st.tags[AUDIT_GATE.tag] = "not_compiled"
+            st.tags[AUDIT_GATE.tag] = NOT_COMPILED
             print(f"[kernel_audit] skipped: {reason}", flush=True)
             return
         import torch

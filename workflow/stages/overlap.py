@@ -39,6 +39,7 @@ from evident.kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, 
 from evident.workflow import benchstats, checkpoints, screens
 from evident.workflow.environment import require_interpreter, resolve_device
 from evident.workflow.evidence import Stage, read_config, write_bytes, write_text
+from evident.workflow.gates import NOT_MEASURED
 
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
 NO_TIMING = "no CUDA device: the Triton interpreter ran the bitwise part; timing needs a GPU"
@@ -50,7 +51,7 @@ STATED = ("K", "segments", "gemm_n")  # overlap keys that state the shapes: all 
 # DeepSeek-V4 configs (transformers' DeepseekV4Config) carry these compressor fields; a DeepSeek-V2 config has none
 COMPRESSOR_FIELDS = ("compress_rates", "compress_ratios")
 CSV_HEADER = "envelope,block,trial,variant,us\n"
-VERDICTS = ("b_faster", "no_claim", "b_slower", "bitwise_mismatch", "not_measured")
+VERDICTS = ("b_faster", "no_claim", "b_slower", "bitwise_mismatch", NOT_MEASURED)
 
 
 # --- statistics and verdicts (pure) ----------------------------------------------------------
@@ -101,7 +102,7 @@ def overall_verdict(inputs: int, equal: int, envelopes: dict | None, not_measure
     if equal != inputs:
         return "bitwise_mismatch", f"{inputs - equal} of {inputs} input sets gave outputs of A and B that differ"
     if envelopes is None:
-        return "not_measured", not_measured or "timing not measured"
+        return NOT_MEASURED, not_measured or "timing not measured"
     claims = {env: e["claim"] for env, e in envelopes.items()}
     if claims and all(c == "B faster" for c in claims.values()):
         return "b_faster", "B faster than A beyond the noise in every envelope (" + ", ".join(claims) + ")"
@@ -124,9 +125,9 @@ def stage_verdict(entries: list[dict]) -> tuple[str, str]:
     bad = [e for e in entries if e["verdict"] == "bitwise_mismatch"]
     if bad:
         return "bitwise_mismatch", says(bad)
-    measured = [e for e in entries if e["verdict"] != "not_measured"]
+    measured = [e for e in entries if e["verdict"] != NOT_MEASURED]
     if not measured:
-        return "not_measured", says(entries)
+        return NOT_MEASURED, says(entries)
     if len({e["verdict"] for e in measured}) == 1:
         return measured[0]["verdict"], says(measured)
     return "no_claim", "the screens differ: " + says(measured)
@@ -320,7 +321,7 @@ def screen_doc(entry: dict, made: tuple | None, shapes: dict | None, cfg: dict, 
     if made is None:
         bits, rows = None, []
         timed = {"measured": False, "reason": SKIP_REASON, "envelopes": None}
-        verdict, reason = "not_measured", SKIP_REASON
+        verdict, reason = NOT_MEASURED, SKIP_REASON
     else:
         bits, timed, rows = measure(made, label, cfg, device, (shapes["reason"] or NO_TIMING) if builtin else EAGER)
         verdict, reason = overall_verdict(bits["inputs"], bits["all_outputs_equal"], timed["envelopes"],

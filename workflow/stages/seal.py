@@ -1,4 +1,4 @@
-"""Stage `seal`: SUMMARY.md, MLflow logging, then MANIFEST.json written last, atomically.
+"""Stage `seal`: SUMMARY.md and DETAILS.md, MLflow logging, then MANIFEST.json written last, atomically.
 
 Tracking never decides the evidence: if MLflow cannot be reached the directory is still sealed
 and the manifest records tracking as pending; `evident sync` replays it later.
@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 from evident.workflow import gates, privacy, tracking
-from evident.workflow.evidence import config_hash, read_config, read_json, stage_records, write_manifest, write_text
-from evident.workflow.summary import render
+from evident.workflow.evidence import (DETAILS, SUMMARY, config_hash, read_config, read_json, stage_records, write_manifest,
+                                       write_text)
+from evident.workflow.summary import render, render_details
 
 
 def _reason(exc: Exception) -> str:
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     git = {"commit": args.commit or None, "dirty": args.dirty or None}
     scrub_logs(root)
     remove_stale_temps(root)
-    write_text(root / "SUMMARY.md", render(root, git))
+    write_text(root / SUMMARY, render(root, git))
+    write_text(root / DETAILS, render_details(root))
     # Scrub what is expected (paths in logs), then scan everything, before anything reaches MLflow: its
     # params, tags and artifacts all come from these files (stage records, config.yaml, the stages' files).
     findings = privacy.scan_dir(root)
