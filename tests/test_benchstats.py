@@ -481,3 +481,12 @@ def test_plot_rings_noisy_cells(tmp_path):
     plot(frame, tmp_path / "marked.png")
     plot(frame.assign(noisy=False), tmp_path / "quiet.png")
     assert (tmp_path / "marked.png").read_bytes() != (tmp_path / "quiet.png").read_bytes()
+
+
+def test_probes_of_different_workloads_make_no_claim():
+    before, after = cell([2.0, 2.0, 2.02], probe=3.0), cell([2.7, 2.7, 2.72], probe=3.0)  # +35 %, probes alike
+    before["probe"], after["probe"] = {"rounds": 64}, {"rounds": 32}  # the cells' workloads (workflow/machine.py)
+    out = directional_claim(after, before)
+    assert out["claim"] == "no directional claim" and "different workloads" in out["reason"]
+    after["probe"] = {"rounds": 64}
+    assert directional_claim(after, before)["claim"] == "slower"

@@ -473,7 +473,9 @@ def directional_claim(current: dict, baseline: dict) -> dict:
     cs, bs = current["stats"], baseline["stats"]
     reasons += _noisy(cs, bs)
     ratio = probe_ratio(cs, bs)
-    if machine := _machine(ratio, cs, bs):
+    if ratio is not None and current.get("probe") != baseline.get("probe"):  # a changed workload times another thing
+        reasons.append(f"the machine probes ran different workloads ({current.get('probe')} vs {baseline.get('probe')})")
+    elif machine := _machine(ratio, cs, bs):
         reasons.append(machine)
 
     tpot_pct = tok_pct = None

@@ -29,6 +29,7 @@ def unsealed(tmp_path, monkeypatch):
     monkeypatch.setattr(privacy.socket, "gethostname", lambda: MACHINE["host"])
     monkeypatch.setattr(privacy.getpass, "getuser", lambda: MACHINE["user"])
     monkeypatch.setattr(seal, "render", lambda root, git: "## Evidence\n")  # the summary needs a real oracle file
+    monkeypatch.setattr(seal, "render_details", lambda root: "## Details\n")  # and so do its details
     return handbuilt.build(tmp_path / "evidence", "tiny", "aaaaaaa-c11111111-r1", seal=False, plot=False)
 
 

@@ -1,4 +1,4 @@
-# Sealing: SUMMARY.md, MLflow, MANIFEST.json last. Its own log lives outside the sealed directory.
+# Sealing: SUMMARY.md and DETAILS.md, MLflow, MANIFEST.json last. Its own log lives outside the sealed directory.
 
 
 # What each stage of `stages:` leaves for sealing (its last rule's output); a stage the campaign does not run has
@@ -22,6 +22,7 @@ rule seal:
         [STAGE_OUTPUTS[s] for s in config["stages"]],
     output:
         summary=f"{E}/SUMMARY.md",
+        details=f"{E}/DETAILS.md",
         manifest=f"{E}/MANIFEST.json",
     resources:
         **job_resources(),

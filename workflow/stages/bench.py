@@ -17,7 +17,7 @@ time of each warm-up and measured run, so a compile (in the first warm-up) is re
 After the timing, untimed, each cell's rows are replayed (workflow/replay.py) for the experts every steady decode
 step chose, and the cell records its floor (workflow.floor.bench_floor: the bytes each step must read, the unique
 experts a MoE layer, over the read bandwidth measured here once) against its steady TPOT p50.
-Before every measured run a machine probe (`probe`: a fixed matmul and copy on the same device and threads) is timed
+Before every measured run a machine probe (workflow/machine.py: a fixed matmul and copy on the same device and threads) is timed
 and recorded with it (`probe_ms`), so that a claim between two directories can tell a change of the machine (load,
 clocks) from a change of the code (benchstats.directional_claim).
 """
@@ -37,41 +37,12 @@ import torch
 from evident.engine import graph_decode
 from evident.engine.checkpoint import CheckpointError
 from evident.engine.generate import Generation, generate
-from evident.workflow import floor, logprobs, replay
+from evident.workflow import floor, logprobs, machine, replay
 from evident.workflow.benchstats import BenchError, measured_with, summarize_cell
 from evident.workflow.checkpoints import DTYPES, CheckpointInvalid
 from evident.workflow.evidence import read_json
 from evident.workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts, prompt_keys, prompt_texts
 from evident.workflow.session import Session, engine_args, engine_stage
-
-
-PROBE = {"matmul": 128, "copy_mb": 1, "rounds": 64}
-"""The machine probe's workload: `rounds` times an n x n float32 matmul and a copy of `copy_mb` MB, of fixed inputs.
-Small ops, as a decode step's are, so that load on the host's cores slows it as it slows the step (on this 2-core
-machine about 3 ms quiet; a bench repeat of the default campaign is 30-60 ms)."""
-
-
-@functools.cache
-def _probe_inputs(device: str) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
-    n, words = PROBE["matmul"], PROBE["copy_mb"] * 2**18  # float32: 4 bytes a word
-    a, b, src = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g), torch.randn(words, generator=g)
-    return a.to(device), b.to(device), src.to(device), torch.empty(words, device=device)
-
-
-def probe(device: str) -> float:
-    """The PROBE workload's wall time on `device` (ms, the host's clock around a synchronized device)."""
-    a, b, src, dst = _probe_inputs(device)
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(PROBE["rounds"]):
-        torch.mm(a, b)
-        dst.copy_(src)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 class Marks:
@@ -224,22 +195,22 @@ def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwid
     b = s.config["bench"]
     texts, rows = prompt_rows(s, batch, prompts)
     same = prompts == SAME
-    probe(s.device)  # its first run pays for the allocations
+    machine.probe_ms(s.device)  # its first run pays for the allocations
     warmups = [measure(s, rows, b["new_tokens"], same)[0]["wall_s"] for _ in range(b["warmup"])]
     repeats = []
     for r in range(b["repeats"]):
-        machine = probe(s.device)  # right before the repeat: the load it ran under
+        probe = machine.probe_ms(s.device)  # right before the repeat: the load it ran under
         timing, gen = measure(s, rows, b["new_tokens"], same)
-        repeats.append({**timing, "probe_ms": machine})
+        repeats.append({**timing, "probe_ms": probe})
         if s.primary:
             steady = sorted(timing["steady_ms"])
             print(f"[bench {s.backend}-b{batch} {prompts}] repeat {r + 1}/{b['repeats']}: "
-                  f"TPOT p50 {steady[len(steady) // 2]:.3f} ms, probe {machine:.3f} ms", flush=True)
+                  f"TPOT p50 {steady[len(steady) // 2]:.3f} ms, probe {probe:.3f} ms", flush=True)
     stats = summarize_cell(repeats, batch, b["new_tokens"])
     check, fl = check_and_floor(s, rows, gen, prompts, lay, bandwidth, stats["tpot"]["p50"], near_tie)
     return {
         "contract": contract(s, texts, rows, prompts),
-        "probe": PROBE,  # outside the contract: cells recorded before the probe still compare
+        "probe": machine.WORKLOAD,  # outside the contract: cells recorded before the probe still compare
         "repeats": repeats,
         "stats": stats,
         "rows_check": check,

@@ -13,7 +13,7 @@ prompt contracts are the in-process bench's: `bench.prompt` on every request, an
 of a round sends prompts[r] (cells `http-<target>-distinct-c<C>`). A cell whose requests did not each give
 new_tokens tokens, or did not stream them, is written with its raw requests and `refused` (why): no figure.
 bench_report puts the builtin engine's cells beside its in-process cells. Before every measured round the in-process
-bench's machine probe (workflow.stages.bench.probe) is timed on the host's CPU (the client's and, here, the server's
+bench's machine probe (workflow/machine.py) is timed on the host's CPU (the client's and, here, the server's
 host; `probe_ms`), for the claims between two directories.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from evident.workflow import checkpoints, environment, targets
+from evident.workflow import checkpoints, environment, machine, targets
 from evident.workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
 from evident.workflow.evidence import Stage, read_config, read_json, stage_args
 from evident.workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
@@ -154,24 +154,23 @@ def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concur
 def bench_cell(client: targets.Client, bench: dict, texts: list[str], prompts: str, extra: dict, tok: Tokenizer,
                log) -> dict:
     """Warm-up and measured rounds of one cell, and its statistics (None, with `refused`, where it has none)."""
-    from evident.workflow.stages.bench import probe  # torch: only the rounds need it
-
     concurrency = len(texts)
     bodies = [{"prompt": t, "max_tokens": bench["new_tokens"], **extra} for t in texts]
     with ThreadPoolExecutor(concurrency) as pool:
-        probe("cpu")  # its first run pays for the allocations
+        machine.probe_ms("cpu")  # its first run pays for the allocations
         warmups = [round_of(pool, client, bodies, tok)["duration_ms"] for _ in range(bench["warmup"])]
         repeats = []
         for r in range(bench["repeats"]):
-            machine = probe("cpu")
-            repeats.append({**round_of(pool, client, bodies, tok), "probe_ms": machine})
+            probe = machine.probe_ms("cpu")
+            repeats.append({**round_of(pool, client, bodies, tok), "probe_ms": probe})
             log(f"c{concurrency} {SHORT[prompts]}: round {r + 1}/{bench['repeats']} {repeats[-1]['duration_ms']:.1f} ms")
     try:
         stats, refused = summarize_http(repeats, concurrency, bench["new_tokens"]), None
     except BenchError as e:
         stats, refused = None, str(e)
         log(f"c{concurrency} {SHORT[prompts]}: no figure: {refused}")
-    return {"repeats": repeats, "warmup_duration_ms": warmups, "stats": stats, "refused": refused}
+    return {"repeats": repeats, "warmup_duration_ms": warmups, "stats": stats, "refused": refused,
+            "probe": machine.WORKLOAD}
 
 
 def run(ckpt: Path, evidence: Path, spec: dict) -> None:
