@@ -13,24 +13,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 
-from .config import V4, ModelArgs, V4Args, load_args
+from . import decode_kernels, graph_decode
+from .config import V4, CheckpointError, ModelArgs, load_args
 from .model import Transformer
 from .parallel import ExpertParallel
+from .tensors import mtp_tensor, read_tensors, seated
+from .v4_checkpoint import load_v4
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 _PACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _ROUTED = re.compile(r"^(?:model\.)?layers\.\d+\.mlp\.experts\.(\d+)\.")  # one routed expert's tensor
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router, fp32 whatever the model's dtype
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def eos_ids(ckpt_dir: str | os.PathLike) -> list[int]:
@@ -45,80 +40,10 @@ def eos_ids(ckpt_dir: str | os.PathLike) -> list[int]:
     return []
 
 
-_V4_MTP = re.compile(r"(^|\.)mtp\.")  # DeepSeek-V4's multi-token-prediction module (transformers ignores it too)
-
-
-def mtp_tensor(name: str, args: ModelArgs | V4Args) -> bool:
-    """A tensor of the multi-token-prediction layers (DeepSeek-V3's numbered after the model's own, DeepSeek-V4's
-    under ``mtp.``): greedy decoding runs without them (as transformers' causal LMs), so they are not read."""
-    if args.model_type == V4:
-        return _V4_MTP.search(name) is not None
-    m = _LAYER.match(name)
-    return args.num_mtp_layers > 0 and m is not None and int(m.group(1)) >= args.num_hidden_layers
-
-
 def mtp_tensors(ckpt_dir: str | os.PathLike) -> list[str]:
     """The names of a checkpoint's multi-token-prediction tensors (from the file headers: no tensor data is read)."""
     args = load_args(ckpt_dir)
     return sorted(n for n in read_tensors(os.fspath(ckpt_dir), skip=lambda name: True)[0] if mtp_tensor(n, args))
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or does not match the model; the message names the file/tensor."""
-
-
-def _shard_map(ckpt_dir: str) -> dict[str, list[str] | None]:
-    """{file path: tensor names the index promises (None for a single unindexed file)}."""
-    index = os.path.join(ckpt_dir, INDEX)
-    single = os.path.join(ckpt_dir, SINGLE)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: cannot read safetensors index ({e!r})") from e
-        files: dict[str, list[str] | None] = {}
-        for name, fname in weight_map.items():
-            files.setdefault(os.path.join(ckpt_dir, fname), []).append(name)
-        for path in files:
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{path}: safetensors shard listed in {index} not found")
-        return files
-    if os.path.isfile(single):
-        return {single: None}
-    raise CheckpointError(f"{ckpt_dir}: no {SINGLE} or {INDEX} found")
-
-
-def read_tensors(ckpt_dir: str, skip: Callable[[str], bool] | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of a checkpoint directory -> ({HF name: tensor}, {HF name: file}).
-
-    Names for which ``skip(name)`` is true are not read: they come back as ``meta`` tensors of the stored
-    shape and dtype, so they can still be checked by name, shape and dtype.
-    """
-    tensors, where = {}, {}
-    for path, promised in _shard_map(os.fspath(ckpt_dir)).items():
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                names = list(f.keys())
-                for name in promised or []:
-                    if name not in names:
-                        raise CheckpointError(f"{path}: tensor {name!r} listed in the index is missing from the file")
-                for name in names:
-                    if name in where:
-                        raise CheckpointError(f"{path}: tensor {name!r} also present in {where[name]}")
-                    tensors[name] = _meta(f, name) if skip and skip(name) else f.get_tensor(name)
-                    where[name] = path
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises SafetensorError / OSError / ValueError on corrupt files
-            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({e})") from e
-    return tensors, where
-
-
-def _meta(f, name: str) -> torch.Tensor:
-    sl = f.get_slice(name)
-    return torch.empty(sl.get_shape(), dtype=_ST_DTYPES.get(sl.get_dtype(), torch.uint8), device="meta")
 
 
 def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], args: ModelArgs):
@@ -155,14 +80,15 @@ def _to_engine_names(tensors: dict[str, torch.Tensor], where: dict[str, str], ar
 
 def enable_decode_path(model, kernels: str):
     """The decode path a stage or the server runs: `torch` ops as loaded, the Triton kernels
-    (engine.decode_kernels) or the CUDA-graph step (engine.graph_decode); returns the model."""
+    (engine.decode_kernels) or the CUDA-graph step (engine.graph_decode; DeepSeek-V4's engine.v4_graph); returns the
+    model."""
     if kernels == "triton":
-        from . import decode_kernels
-
         decode_kernels.enable(model)
-    elif kernels == "graph":
-        from . import graph_decode
+    elif kernels == "graph" and model.args.model_type == V4:
+        from . import v4_graph  # it imports torch._dynamo, with Triton (~1.5 s): only on this path
 
+        v4_graph.enable(model)
+    elif kernels == "graph":
         graph_decode.enable(model)
     return model
 
@@ -181,8 +107,6 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
     if args.model_type == V4:
         if ep is not None:
             raise CheckpointError(f"{ckpt_dir}: DeepSeek-V4 runs on one device here (no expert parallelism)")
-        from .v4_checkpoint import load_v4
-
         return load_v4(ckpt_dir, args, device, dtype)
     with torch.device("meta"):
         model = Transformer(args, ep)
@@ -218,12 +142,3 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
         # copy=True: fresh, allocator-aligned storage, so numerics do not depend on the file's tensor offsets
         sd[k] = t.to(device=device, dtype=torch.float32 if k.endswith(FP32) else dtype, copy=True)
     return seated(model, sd, args)
-
-
-def seated(model, sd: dict, args):
-    """The model built on the meta device with the checkpoint's tensors as its own, tied, frozen, in eval mode."""
-    model.load_state_dict(sd, strict=False, assign=True)
-    if args.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.requires_grad_(False)
-    return model.eval()

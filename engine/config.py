@@ -23,6 +23,10 @@ ROUTINGS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("
 V4 = "deepseek_v4"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not match the model; the message names the file/tensor."""
+
+
 def yarn_factor(rp: dict, max_position: int) -> float:
     """A yarn rope dict's ``factor``; when null, max_position_embeddings / original_max_position_embeddings (as HF)."""
     if rp.get("factor") is not None:
@@ -193,8 +197,6 @@ class ModelArgs:
 
 def read_config(path: str | os.PathLike) -> dict:
     """The ``config.json`` dict of a checkpoint directory (or a config.json path)."""
-    from .checkpoint import CheckpointError  # lazy: checkpoint imports this module
-
     path = os.fspath(path)
     cfg = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(cfg):

@@ -6,7 +6,7 @@ the deterministic kernels of ``kernels/``.
 - the two projections that read the same input (a module's ``paired()``: q and kv_a in attention, gate and up in
   an MLP) run as one ``gemv_fused`` launch for a single row, bitwise equal to running them apart;
 - the greedy pick is ``pick_batch`` (lowest index on ties, as torch.argmax, and the top1 - top2 margin, in one
-  launch): ``picks``, the engine's greedy pick, takes it where a model has it, else torch's.
+  launch): ``model.picks``, the engine's greedy pick, takes it where a model has it, else torch's.
 
 With ``batched`` (the graph decode step), projections of more than ``max_rows`` rows, up to 16, go through
 ``kernels.skinny`` on the tensor cores instead (pairs as one launch too); rows then agree with batch 1 to fp32
@@ -71,16 +71,3 @@ def enable(model: Transformer, skip=lambda module: False, pick: bool = True, max
     if pick:
         model.pick_kernel = pick_batch
     return model
-
-
-def picks(logits: torch.Tensor, kernel=None, counter=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy over fp32 logits [B, V], on their device: ids [B] by argmax (first max on ties) and the top1 - top2
-    margins [B] fp32; ``kernel`` (kernels.argmax.pick_batch, ``counter`` its scratch) the same in one launch."""
-    if kernel is not None:
-        return kernel(logits, fallback=lambda: picks(logits), counter=counter)
-    logits = logits.float()
-    ids = torch.argmax(logits, dim=-1)
-    if logits.shape[-1] > 1:
-        top2 = torch.topk(logits, 2, dim=-1).values
-        return ids, top2[:, 0] - top2[:, 1]
-    return ids, torch.full(ids.shape, float("inf"), device=logits.device)

@@ -410,7 +410,7 @@ class HyperConnection(nn.Module):
 
 def hyper_weights(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
     """(pre [..., n], post [..., n], comb [..., n, n]) from the mixing logits, fp32, as transformers computes them
-    (kernels.hc.hc_weights is this in one launch, and takes it as its reference)."""
+    (kernels.hc.hc_weights is this in one launch; its hc_reference is this, bitwise: tests/test_hc_kernel.py)."""
     mix, base, scale = mix.float(), base.float(), scale.float()
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])

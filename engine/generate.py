@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_kernels import picks
-from .model import LatentCache, Transformer
+from .checkpoint import load_model
+from .model import LatentCache, Transformer, picks
 from .parallel import BACKENDS, init_from_env
 
 MAX_BATCH = 8
@@ -358,8 +358,6 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .checkpoint import load_model
-
     ap = argparse.ArgumentParser(prog="python -m evident.engine.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--prompt-ids", required=True, action="append",

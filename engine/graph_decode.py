@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from evident.kernels.graphs import capture  # torch only: no Triton at engine import
+
 from . import decode_kernels
 from .config import V4
-from .model import MoE, LatentCache, Transformer, project_pair
+from .model import MoE, LatentCache, Transformer, picks, project_pair
 
 
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,8 +184,6 @@ class CapturedStep:
             state["logits"], state["ids"], state["margins"] = self._step_pick(cache, inputs, state["counter"], logits)
             return state["logits"]
         if "graph" not in state:
-            from evident.kernels.graphs import capture
-
             # the warm-up step advances every row and writes its picks over the inputs: both put back before the
             # capture, or the first replay would step from the warm-up's positions and tokens
             lengths, given = cache.lengths.clone(), inputs.clone()
@@ -204,7 +204,7 @@ class CapturedStep:
 
     def _pick(self, logits: torch.Tensor, inputs: torch.Tensor, counter: torch.Tensor):
         """(logits, ids, margins), each row's greedy pick written over its input."""
-        ids, margins = decode_kernels.picks(logits, self.model.pick_kernel, counter)
+        ids, margins = picks(logits, self.model.pick_kernel, counter)
         inputs.copy_(ids)  # each row's pick is its next input
         return logits, ids, margins
 
@@ -347,12 +347,10 @@ class GraphDecode(CapturedStep):
 
 
 def enable(model: Transformer) -> Transformer:
-    """Attach the graph decode path to ``model`` in place (``generate`` then decodes through it); a DeepSeek-V4
-    model gets its own (engine/v4_graph.py)."""
+    """Attach the graph decode path to ``model`` in place (``generate`` then decodes through it). A DeepSeek-V4 model
+    has its own (engine/v4_graph.py, which builds on this module; checkpoint.enable_decode_path picks it)."""
     if model.args.model_type == V4:
-        from . import v4_graph
-
-        return v4_graph.enable(model)
+        raise ValueError("DeepSeek-V4's graph decode path is engine.v4_graph.enable")
     model.graph_decode = GraphDecode(model)
     return model
 

@@ -385,3 +385,19 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(h))
         cache.lengths[rows] += T if lengths is None else lengths.to(dev)
         return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy pick
+# ---------------------------------------------------------------------------------------------
+def picks(logits: torch.Tensor, kernel=None, counter=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy over fp32 logits [B, V], on their device: ids [B] by argmax (first max on ties) and the top1 - top2
+    margins [B] fp32; ``kernel`` (kernels.argmax.pick_batch, ``counter`` its scratch) the same in one launch."""
+    if kernel is not None:
+        return kernel(logits, fallback=lambda: picks(logits), counter=counter)
+    logits = logits.float()
+    ids = torch.argmax(logits, dim=-1)
+    if logits.shape[-1] > 1:
+        top2 = torch.topk(logits, 2, dim=-1).values
+        return ids, top2[:, 0] - top2[:, 1]
+    return ids, torch.full(ids.shape, float("inf"), device=logits.device)

@@ -63,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from .checkpoint import enable_decode_path, eos_ids, load_model
 from .generate import MAX_BATCH, Rows, fits
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
@@ -529,8 +530,6 @@ KERNELS = ("torch", "triton", "graph")  # the decode paths (workflow.runs.KERNEL
 def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", backend: str = "single",
                 model_id: str | None = None, max_batch: int = MAX_BATCH, window_s: float = WINDOW_S,
                 kernels: str = "torch", join: str = JOIN, cache_len: int = CACHE_LEN) -> Engine:
-    from .checkpoint import enable_decode_path, eos_ids, load_model
-
     if backend != "single":
         raise SystemExit("engine.serve: only the single-device backend is served")
     if kernels != "torch" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
@@ -543,7 +542,7 @@ def load_engine(ckpt_dir: str, device: str = "cpu", dtype: str = "float32", back
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+    import uvicorn  # only the command line runs the server: the app's importers need not load it
 
     ap = argparse.ArgumentParser(prog="python -m evident.engine.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True)

@@ -13,9 +13,9 @@ import re
 
 import torch
 
-from .checkpoint import CheckpointError, mtp_tensor, read_tensors, seated
-from .config import V4Args
+from .config import CheckpointError, V4Args
 from .deepseek_v4 import V4Transformer
+from .tensors import mtp_tensor, read_tensors, seated
 
 RENAMES = [(re.compile(a), b) for a, b in (
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),

@@ -74,6 +74,7 @@ class V4GraphDecode(CapturedStep):
     """Attached to a V4Transformer by ``enable``; ``generate`` asks it for a cache and steps through it."""
 
     def __init__(self, model: V4Transformer, fuse_aux: bool = True, compiled: bool | None = None):
+        # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
         from evident.kernels import gemv, hc, moe
 
         self.model, self.ep = model, None

@@ -104,7 +104,7 @@ def kernel_us(fn_of_w, w: torch.Tensor, name: str, copies: int = 8, calls: int =
     launched eagerly one by one, each call on the next copy of the weights (together over 2x the L2, so each
     reads HBM): the kernels' own time, as Nsight reports it. Summed over a call's kernels, not a median over
     kernels: cuBLAS may split one product into a GEMV and a small reduction, and a median over both is neither."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # CUPTI's profiler: loaded only to time kernels
 
     ws = [w.clone() for _ in range(copies)]
     fn_of_w(ws[0])

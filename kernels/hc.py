@@ -8,7 +8,9 @@ Contract (transformers' DeepseekV4HyperConnection, fp32 throughout), per row of 
   normalised (x / (column sum + eps)), then ``iters - 1`` times its rows and its columns in turn.
 The torch path is torch's softmax and sums (``hc_reference``); the kernel's exp and sums over n <= 16 elements may
 differ from it in the last bits. Without a GPU it runs under Triton's interpreter. The torch path takes rows the
-kernel does not admit (a CPU tensor outside the interpreter, n above MAX_N).
+kernel does not admit (a CPU tensor outside the interpreter, n above MAX_N). The engine's torch path
+(deepseek_v4.hyper_weights) is its own copy, as importing this module would import Triton with the engine;
+tests/test_hc_kernel.py holds the two bitwise equal.
 
 A decode step of the torch path spends ~6 launches on each Sinkhorn iteration (20 in DeepSeek-V4-Flash), twice a
 layer; this is one (engine/DECODE.md).
@@ -19,12 +21,25 @@ import torch
 import triton
 import triton.language as tl
 
-from evident.engine.deepseek_v4 import hyper_weights as hc_reference  # the torch path, the kernel's reference
-
 from . import pdl
 from ._admit import device_reason
 
 MAX_N = 16
+
+
+def hc_reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
+    """The torch path: (pre [..., n], post [..., n], comb [..., n, n]) from the mixing logits, fp32."""
+    mix, base, scale = mix.float(), base.float(), scale.float()
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], n, n) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
 
 
 @triton.jit

@@ -1,8 +1,10 @@
 """The hyper-connection weights kernel (kernels/hc.py) against transformers' own DeepseekV4HyperConnection on fresh
-random inputs (through the Triton interpreter without a GPU), its fallbacks and shape errors."""
+random inputs (through the Triton interpreter without a GPU), its fallbacks and shape errors, and its torch reference
+against the engine's."""
 import pytest
 import torch
 
+from evident.engine.deepseek_v4 import hyper_weights
 from evident.kernels import hc
 
 CUDA = torch.cuda.is_available()
@@ -50,3 +52,13 @@ def test_fallbacks_and_errors():
     pre, post, comb = hc.hc_weights(mix.double(), base, scale, 4, 3, 1e-6)  # not admitted: the torch path
     want = hc.hc_reference(mix, base, scale, 4, 3, 1e-6)
     assert torch.equal(comb, want[2]) and comb.shape == (2, 4, 4)
+
+
+@pytest.mark.parametrize("n,iters", [(4, 20), (3, 5), (1, 1)])
+def test_reference_is_the_engines(n, iters, gen):
+    """The kernel's torch reference and the engine's torch path are two copies (kernels import nothing of the
+    engine): bitwise equal."""
+    w = (2 + n) * n
+    mix, base, scale = (torch.randn(*shape, generator=gen, device=DEV) for shape in ((3, 5, w), (w,), (3,)))
+    for a, b in zip(hc.hc_reference(mix, base, scale, n, iters, 1e-6), hyper_weights(mix, base, scale, n, iters, 1e-6)):
+        assert torch.equal(a, b)

@@ -151,3 +151,39 @@ def test_a_second_campaign_is_told_which_run_is_live_and_not_to_unlock(tmp_path)
             first.wait(60)
     assert (wd / "evidence/first" / eid / MANIFEST).is_file()
     assert lock_files(wd) == [] and not list((wd / ".snakemake/locks").glob("*"))
+
+
+# --- the flock primitives (workflow/locks.py; used by gpus, tracking and archive) ---------------------------------
+
+def test_the_flock_primitives_see_each_other(tmp_path):
+    """`held`/`holder` see an exclusive holder and make no file; `try_flock` never waits; `flocked` waits its turn.
+    flocks belong to an open file, so two opens in one process refuse each other as two processes would."""
+    import threading
+
+    path = tmp_path / "x.lock"
+    assert not locks.held(path) and locks.holder(path) is None and not path.exists()  # probing makes no file
+    with locks.flocked(path) as f:
+        f.write("pid 1\n")
+        f.flush()
+        assert locks.held(path) and locks.holder(path) == "pid 1"
+        assert locks.try_flock(path) is None and locks.try_flock(path, shared=True) is None
+        entered = threading.Event()
+
+        def wait_for_it():
+            with locks.flocked(path):
+                entered.set()
+
+        t = threading.Thread(target=wait_for_it)
+        t.start()
+        assert not entered.wait(0.3)  # blocking: it waits while the lock is held
+    t.join(10)
+    assert entered.is_set() and not locks.held(path) and locks.holder(path) is None and path.exists()
+    with locks.flocked(path, shared=True):
+        assert not locks.held(path)  # the probe is shared: a shared holder is not "held"
+        other = locks.try_flock(path, shared=True)
+        assert other is not None and locks.try_flock(path) is None
+        other.close()
+    mine = locks.try_flock(path)
+    assert mine is not None and locks.held(path)
+    mine.close()  # closing lets go
+    assert not locks.held(path)

@@ -9,7 +9,6 @@ use it too (bench_report resolves its baseline here) without a stage importing a
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import functools
 import re
 from pathlib import Path
@@ -20,7 +19,7 @@ from evident.workflow import tracking
 from evident.workflow.gates import GATES, PARITY, document
 from evident.workflow.evidence import (DIGEST, FAILED, INTERRUPTED, MANIFEST, SKIPPED, file_table, manifest_digest,
                                        read_config, read_json, stage_records, utc_now, write_json)
-from evident.workflow.locks import LOCKS
+from evident.workflow.locks import LOCKS, held
 
 ROOT = Path("evidence")
 TRACKING_RECORDS = Path(".evident/tracking")
@@ -159,15 +158,8 @@ def running(path: Path) -> bool:
     """Whether a live snakemake writes this directory. It holds the directory's flock for its whole life and the
     kernel drops a flock when its process ends, however it ends (Ctrl-C, SIGKILL, a crash): a dead run never looks
     live, as a pid in a file or Snakemake's own lock files (a killed run leaves them) could. The probe is shared
-    and held for an instant, as `locks.live_runs` holds it."""
-    try:
-        with open(lock_of(path)) as f:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:  # no lock file: no run has it
-        return False
-    return False
+    and held for an instant, as `locks.live_runs` holds it (`locks.held`; no lock file: no run has it)."""
+    return held(lock_of(path))
 
 
 # --- loading ---------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ is larger than the run-to-run noise. Nothing here imports the engine or torch.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -652,15 +651,11 @@ def plot(frame, path: str | Path) -> Path:
     rest of the process) and strips the PNG "Software" text chunk so the same frame always gives
     the same bytes; the file is written atomically.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from evident.workflow.evidence import write_bytes
+    from evident.workflow.plots import figure, save_png
 
     if len(frame) == 0:
         raise BenchError("nothing to plot")
-    fig = Figure(figsize=(10, 4))
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(10, 4))
     ax_tok, ax_tpot = fig.subplots(1, 2)
     markers = ["o", "s", "^", "D", "v", "P", "X"]
     batches = sorted(int(b) for b in frame["batch"].unique())
@@ -687,6 +682,4 @@ def plot(frame, path: str | Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(title="backend")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
-    return write_bytes(path, buf.getvalue())
+    return save_png(fig, path, dpi=120)

@@ -18,7 +18,6 @@ execs the stage unchanged.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import random
 import socket
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from evident.workflow.locks import try_flock
 
 POOL_ENV = "EVIDENT_GPU_POOL"
 LOCKS = Path(".evident/gpus")
@@ -119,11 +120,8 @@ def acquire(n: int, devices: list[str], locks: Path = LOCKS, poll: float = 0.5) 
     while True:
         held = []
         for dev in devices:
-            f = open(locks / f"{dev}.lock", "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
+            f = try_flock(locks / f"{dev}.lock")  # exclusive, never waiting
+            if f is None:
                 continue
             held.append((dev, f))
             if len(held) == n:

@@ -9,7 +9,11 @@
 
 A lock's file exists only while it is held: its last holder removes it before letting go, so that a refused or finished
 run leaves none behind (a SIGKILLed run's stays, unheld, until the next holder takes and removes it). Taking one
-therefore checks that the file it locked is still the one its path names."""
+therefore checks that the file it locked is still the one its path names.
+
+The flock primitives of every other lock are here too: `flocked` (hold one for a block, waiting: the tracking store's
+writers), `try_flock` (take one without waiting: a GPU of the local pool) and `held`/`holder` (is it held, by whom:
+archive.running, `live_runs`)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,62 @@ SNAKEMAKE_LOCKS = Path(".snakemake/locks")
 
 class Held(Exception):
     """A lock is held by a live process; the message is what its holder wrote there (`pid N ...`)."""
+
+
+# --- the flock primitives (the module's docstring names their users) --------------------------------------------------
+
+@contextlib.contextmanager
+def flocked(path: str | Path, shared: bool = False):
+    """Hold `path`'s flock (exclusive, or `shared`) for the block, waiting for it; its file is made if missing (not
+    its folder) and left in place."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield f
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def try_flock(path: str | Path, shared: bool = False):
+    """`path` opened ("a+", made if missing) and flocked without waiting, the file returned (its lock lasts until it
+    is closed), or None while another holds it."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def _taken(f) -> bool:
+    """Whether the open file `f`'s flock is held exclusively elsewhere: probed shared, without waiting."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    return False
+
+
+def held(path: str | Path) -> bool:
+    """Whether a live process holds `path`'s flock exclusively (a missing or unreadable file: nobody). The probe is
+    shared and held for an instant, so two probes never refuse each other (nor see a shared holder); it makes no
+    file."""
+    try:
+        with open(path) as f:
+            return _taken(f)
+    except OSError:
+        return False
+
+
+def holder(path: str | Path) -> str | None:
+    """What the live exclusive holder of `path`'s flock wrote there ("" for nothing), or None where none holds it (as
+    `held` probes)."""
+    try:
+        with open(path) as f:
+            return f.read().strip() if _taken(f) else None
+    except OSError:
+        return None
 
 
 def take(path: Path, how: int = fcntl.LOCK_EX | fcntl.LOCK_NB):
@@ -130,11 +190,9 @@ def live_runs(mine: Path | None = None, workdir: Path = Path()) -> list[str]:
     for lock in sorted((workdir / LOCKS).glob("*/*.lock")):
         if mine is not None and lock.resolve() == (workdir / mine).resolve():
             continue
-        with contextlib.suppress(OSError), open(lock) as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: its run is live
-                out.append(f.read().strip() or "pid unknown")
+        who = holder(lock)
+        if who is not None:  # held: its run is live
+            out.append(who or "pid unknown")
     return out
 
 

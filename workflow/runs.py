@@ -32,6 +32,11 @@ def _enum(section: str, key: str) -> tuple[str, ...]:
     return tuple(_PROPERTIES[section]["properties"][key]["items"]["enum"])
 
 
+def schema_default(section: str, key: str):
+    """config/schema.yaml's default of `section.key`: code that needs it reads it here, never a copy."""
+    return _PROPERTIES[section]["properties"][key]["default"]
+
+
 STAGES = tuple(_PROPERTIES["stages"]["items"]["enum"])  # those a campaign chooses, in the pipeline's order
 
 BACKENDS = _enum("parity", "backends")  # the engine's: one process, or expert-parallel ranks

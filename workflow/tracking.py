@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import fcntl
 import json
 import os
 import re
@@ -64,6 +63,7 @@ from pathlib import Path
 
 from evident.workflow import gates, runs
 from evident.workflow.evidence import DETAILS, MANIFEST, SUMMARY, flatten, read_config, read_json, stage_records
+from evident.workflow.locks import flocked
 
 PARENT_FILES = ("config.yaml", "env.json", "checkpoint.json")  # and the markdown files (`markdown_files`)
 PLOTS = "plots/*.png"  # beside the markdown files, at the relative path their image links name
@@ -112,12 +112,8 @@ def store_lock(uri: str | None = None):
         yield
         return
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{db}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with flocked(f"{db}.lock"):  # exclusive, waiting for the writer before
+        yield
 
 
 def _experiment_id(c, name: str) -> str:
@@ -157,7 +153,7 @@ def gpu_tags(root: Path) -> dict:
 
 def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]:
     """(metrics, tags) the parent run adds to the common tags: the module docstring names them."""
-    tags = {f"{g}.verdict": v for g, v in gates.verdicts(records).items()}
+    tags = {gates.BY_NAME[g].tag: v for g, v in gates.verdicts(records).items()}
     metrics = {}
     ok = {r["name"]: r for r in records if r.get("status") == "ok"}
     kernels = (config.get("bench") or {}).get("kernels") or "torch"

@@ -6,11 +6,10 @@ trends pages (workflow/trend_page.py) write it, through trend.write.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from evident.workflow.evidence import write_bytes
 from evident.workflow.gates import GATES, NOT_RUN
+from evident.workflow.plots import figure, save_png
 from evident.workflow.runs import label_key
 
 
@@ -19,14 +18,10 @@ def plot(frame, path: str | Path, title: str, ylabel: str, unsteady=lambda row: 
     marked, the points `unsteady(row)` says are noise ringed, and a strip of gate verdicts under it (Gate.state:
     green passes, red fails the run, grey not run or measured nothing). Bare Figure on the Agg canvas, no
     "Software" chunk (same frame, same bytes), written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     dirs = frame.drop_duplicates("order").sort_values("order")
     xs, labels = list(dirs["order"]), [f"{c}" for c in dirs["commit"]]
     gates = [g for g in GATES if (dirs[f"gate_{g.name}"].astype(object).fillna("") != "").any()]
-    fig = Figure(figsize=(max(9.0, 4.5 + 0.55 * len(xs)), 4.8 + 0.32 * len(gates)))
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(max(9.0, 4.5 + 0.55 * len(xs)), 4.8 + 0.32 * len(gates)))
     if gates:
         ax, strip = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [4.0, 0.35 * len(gates) + 0.3]})
     else:
@@ -78,6 +73,4 @@ def plot(frame, path: str | Path, title: str, ylabel: str, unsteady=lambda row: 
     bottom.set_xticklabels(labels, rotation=45 if len(xs) > 6 else 0, ha="right" if len(xs) > 6 else "center",
                            fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    return write_bytes(path, buf.getvalue())
+    return save_png(fig, path, dpi=110)

@@ -36,15 +36,15 @@ import torch
 from evident.workflow import gates, logprobs, replay, targets
 from evident.workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
 from evident.workflow.logprobs import REFERENCE_DTYPE
-from evident.workflow.runs import EP_BACKENDS, label as run_label
+from evident.workflow.runs import EP_BACKENDS, label as run_label, schema_default
 from evident.workflow.traces import REPLACEMENT, UNDECODABLE, first_difference, token_at
-from evident.workflow.verdicts import NEAR_TIE, SEVERITY, worst as worst_verdict
+from evident.workflow.verdicts import NEAR_TIE, worst as worst_verdict
 
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
-# The schema's defaults (config/schema.yaml, kept equal by tests/test_compare.py), from the figures in README
-# "Parity": 8x the largest float32 noise measured, and between transformers' own bf16 error and a low-dtype norm's.
-LOGIC_TOLERANCE = 5e-3
-PRECISION_BOUND = 1.15
+# The schema's defaults, from the figures in README "Parity": 8x the largest float32 noise measured, and between
+# transformers' own bf16 error and a low-dtype norm's.
+LOGIC_TOLERANCE = schema_default("parity", "logic_tolerance")  # 5e-3
+PRECISION_BOUND = schema_default("parity", "precision_bound")  # 1.15
 
 
 class HashMismatch(ValueError):
@@ -312,7 +312,7 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
                 logic += errs.get(REFERENCE_DTYPE, [])
                 if bad == "engine_accuracy_gap" and target and cache_below(target):
                     bad, detail = "kv_cache_precision_gap", {**detail, "kv_cache_dtype": target["kv_cache_dtype"]}
-                if bad is not None and SEVERITY.index(bad) > SEVERITY.index(verdict):
+                if bad is not None and worst_verdict((verdict, bad)) != verdict:  # strictly worse
                     verdict, div = bad, detail
             cells.append({"backend": run["backend"], "kernels": kernels_of(run), "batch": run["batch"], "case": case["name"],
                           "verdict": verdict, "free_running": free, "first_divergence": div, "logic": checked,
@@ -337,7 +337,8 @@ def compare(oracle: dict, runs: list[dict], near_tie: float | None = None, logic
     cells += ragged_cells([r for r in runs if r.get("ragged")])
     paired = pair_cells([r for r in runs if r.get("target")], pairs or [])
     cells += paired
-    worst = max(cells, key=lambda c: SEVERITY.index(c["verdict"]))  # the first of the worst
+    top = worst_verdict(c["verdict"] for c in cells)
+    worst = next(c for c in cells if c["verdict"] == top)  # the first of the worst
     engines = {t["name"]: {**{k: t.get(k) for k in DESCRIBED}, "kind": t["kind"], "level": t["level"], "dtype": t["dtype"],
                            "verdict": worst_verdict(c["verdict"] for c in cells if c.get("target") == t["name"]),
                            "not_checked": next(f["not_checked"] for f in forced if f.get("target") == t["name"])}

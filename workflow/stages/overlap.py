@@ -24,9 +24,7 @@ still succeeds, so the evidence is written and sealed.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import io
 import sys
 from pathlib import Path
 
@@ -38,9 +36,11 @@ from evident.kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, 
                              c4_screen, checked, layout, samples, timing)
 from evident.workflow import benchstats, checkpoints, screens
 from evident.workflow.environment import require_interpreter, resolve_device
-from evident.workflow.evidence import Stage, read_config, write_bytes, write_text
-from evident.workflow.gates import NOT_MEASURED
+from evident.workflow.evidence import Stage, read_config, stage_args, write_text
+from evident.workflow.gates import BY_NAME, NOT_MEASURED
+from evident.workflow.plots import figure, save_png
 
+OVERLAP_GATE = BY_NAME["overlap"]
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
 NO_TIMING = "no CUDA device: the Triton interpreter ran the bitwise part; timing needs a GPU"
 EAGER = "no CUDA device: the variants ran eagerly on the CPU (no side streams, no graphs); timing needs a GPU"
@@ -138,9 +138,6 @@ def stage_verdict(entries: list[dict]) -> tuple[str, str]:
 def plot(screen: dict, rows: list[list], path: Path) -> Path:
     """Box plots of A and B per envelope (CUDA), or a panel saying what was checked (CPU) or why nothing was.
     Bare Figure on Agg, PNG "Software" chunk stripped: same input, same bytes (as benchstats.plot)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     bw, sh, timing_ = screen["bitwise"], screen["shapes"], screen["timing"]
     name = screen.get("name", screens.BUILTIN)
     title = "Overlap A/B screen" + ("" if name == screens.BUILTIN else f" `{name}`")
@@ -154,15 +151,13 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
         elif bw:
             lines.append((f"{screen['factory']}, outputs " + ", ".join(o["name"] for o in bw["outputs"]), 9))
         lines.append((("timing: " if bw else "skipped: ") + timing_["reason"], 9))
-        fig = Figure(figsize=(7, 2.5))
-        FigureCanvasAgg(fig)
+        fig = figure(figsize=(7, 2.5))
         ax = fig.subplots()
         ax.axis("off")
         for y, (text, size) in zip(np.linspace(0.75, 0.25, len(lines)), lines):
             ax.text(0.5, y, text, ha="center", va="center", fontsize=size)
     else:
-        fig = Figure(figsize=(10, 4))
-        FigureCanvasAgg(fig)
+        fig = figure(figsize=(10, 4))
         axes = fig.subplots(1, len(ENVELOPES))
         for ax, env in zip(axes, ENVELOPES):
             ax.boxplot([samples(rows, env, v) for v in VARIANTS], showfliers=False, whis=(10, 90))
@@ -177,9 +172,7 @@ def plot(screen: dict, rows: list[list], path: Path) -> Path:
             ax.grid(True, axis="y", alpha=0.3)
         fig.suptitle(f"{title} — " + head, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
-    return write_bytes(path, buf.getvalue())
+    return save_png(fig, path, dpi=120)
 
 
 # --- the stage -------------------------------------------------------------------------------
@@ -409,13 +402,12 @@ def run(evidence: Path, ckpt: Path | None = None) -> dict:
         if own:  # without screens of its own the built-in's screen.json is the stage's, as it always was
             st.write_json(screens.INDEX, {"verdict": verdict, "reason": reason, "screens": entries})
             print(f"[overlap] stage verdict {verdict}: {reason}", flush=True)
-        st.tags["overlap.verdict"] = verdict
+        st.tags[OVERLAP_GATE.tag] = verdict
     return docs[screens.BUILTIN]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(__doc__)
     ap.add_argument("--checkpoint", type=Path, help="the campaign's checkpoint: a model's own C4 layer's weights")
     args = ap.parse_args(argv)
     try:

@@ -21,8 +21,6 @@ names); the kernel table is what they measured.
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import sys
 import tempfile
@@ -32,8 +30,9 @@ import torch
 
 from evident.workflow import privacy, profilers
 from evident.workflow.environment import resolve_device
-from evident.workflow.evidence import Stage, read_config, write_bytes, write_text
+from evident.workflow.evidence import Stage, read_config, stage_args, write_bytes, write_text
 from evident.workflow.floor import floor
+from evident.workflow.plots import figure, save_png
 
 CSV_HEADER = ["kernel", "calls", "total_us", "mean_us", "share_pct"]
 
@@ -43,12 +42,8 @@ def short(name: str, n: int = 60) -> str:
 
 
 def plot(cap: dict, path: Path, top: int) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     ks = cap["kernels"][:top]
-    fig = Figure(figsize=(9, 1.2 + 0.35 * max(len(ks), 1)))
-    FigureCanvasAgg(fig)
+    fig = figure(figsize=(9, 1.2 + 0.35 * max(len(ks), 1)))
     ax = fig.subplots()
     pos = list(range(len(ks)))[::-1]  # numeric positions: truncated names may repeat
     ax.barh(pos, [k["share_pct"] for k in ks], color="#4c72b0")
@@ -61,9 +56,7 @@ def plot(cap: dict, path: Path, top: int) -> Path:
     ax.set_title(f"top {len(ks)} kernels — {cap['tool']}, {cap['steps']} decode steps, batch {cap['batch']}",
                  fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    return write_bytes(path, buf.getvalue())
+    return save_png(fig, path, dpi=110)
 
 
 def run(ckpt: Path, evidence: Path) -> dict:
@@ -132,10 +125,7 @@ def run(ckpt: Path, evidence: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, type=Path)
-    ap.add_argument("--evidence", required=True, type=Path)
-    args = ap.parse_args(argv)
+    args = stage_args(__doc__, checkpoint=True).parse_args(argv)
     try:
         run(args.checkpoint, args.evidence)
     except (RuntimeError, ValueError) as e:

@@ -23,7 +23,9 @@ import torch
 
 from evident.workflow import checkpoints, environment, gsm8k, hf, targets
 from evident.workflow.evidence import Stage, read_config, read_json, stage_args, write_text
+from evident.workflow.gates import BY_NAME
 
+QUALITY_GATE = BY_NAME["quality"]
 NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
                "on identical completions and otherwise makes no claim; it says nothing about model quality")
 
@@ -176,14 +178,13 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
         gates = [gsm8k.gate(results[ref], results[n], rows_of[ref], rows_of[n], q["tolerance"], q["fail_on_flips"],
                             random)
                  for n in names if n != ref]
-        order = {v: i for i, v in enumerate(gsm8k.VERDICTS)}
-        verdict = max((g["verdict"] for g in gates), key=order.get) if gates else "no_claim"
+        verdict = max((g["verdict"] for g in gates), key=gsm8k.VERDICTS.index) if gates else "no_claim"
         doc = {"verdict": verdict, "advisory": q["advisory"], "reference": ref, "gates": gates,
                "random_weights": random, "note": NOTE_RANDOM if random else None,
                "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates)
                          or "no candidate beside the reference: nothing compared"}
         st.write_json(gsm8k.GATE, doc)
-        st.tags["quality.verdict"] = verdict
+        st.tags[QUALITY_GATE.tag] = verdict
         st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
         # completions that differ only in U+FFFD (undecodable bytes rendered otherwise): not identical, named apart
         st.metrics["replacement_only"] = sum(len(g.get("replacement_only") or []) for g in gates)
