@@ -3,6 +3,7 @@ stopped by Ctrl-C goes on with it, where a plain rerun is refused (a tiny Snakef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,7 +54,12 @@ def test_a_run_stopped_by_ctrl_c_goes_on_with_rerun_incomplete(tmp_path):
         deadline = time.monotonic() + 60
         while not (tmp_path / "started").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        time.sleep(0.5)  # the job's `sleep` started, so that Ctrl-C meets the job itself, as a user's would
+        for _ in range(5):  # Ctrl-C: the terminal signals the whole foreground group; pressed again if unheard
+            os.killpg(first.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                first.wait(timeout=10)
+                break
         assert first.wait(timeout=60) != 0
     finally:
         if first.poll() is None:

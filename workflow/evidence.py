@@ -244,7 +244,8 @@ class Interrupted(KeyboardInterrupt):
     and records `interrupted`; Python's default SIGTERM ends the process at once, with no record."""
 
 
-def _terminated(signum, frame):
+def interrupt(signum, frame):
+    """A signal handler that raises Interrupted, naming the signal (SIGTERM, SIGHUP), as Ctrl-C raises."""
     raise Interrupted(signal.Signals(signum).name)
 
 
@@ -285,7 +286,7 @@ class Stage:
         self.started = utc_now()
         self._t0 = time.perf_counter()
         try:
-            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
+            self._sigterm = signal.signal(signal.SIGTERM, interrupt)
         except ValueError:  # not the main thread: signals are the main thread's, its handler stays
             self._sigterm = False
         return self

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from evident.workflow import tracking
-from evident.workflow.archive import ROOT, TRACKING_RECORDS, Evidence, evidence_dirs, label, load
-from evident.workflow.locks import LOCKS, Held, holding  # a running snakemake's, on the directory it writes
+from evident.workflow.archive import ROOT, TRACKING_RECORDS, Evidence, evidence_dirs, label, load, lock_of
+from evident.workflow.locks import Held, holding  # a running snakemake's, on the directory it writes
 
 AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -38,11 +38,6 @@ def age_of(ev: Evidence, now: float) -> float:
         except ValueError:
             pass  # a damaged manifest: fall back to the file system
     return now - ev.path.stat().st_mtime
-
-
-def lock_of(path: Path, root: str | Path = ROOT) -> Path:
-    """The lock of `root/<campaign>/<id>/`, in the archive's working directory (beside `evidence/`)."""
-    return Path(root).parent / LOCKS / path.parent.name / f"{path.name}.lock"
 
 
 def size_of(path: Path) -> int:
@@ -87,7 +82,7 @@ def prune_plan(root: str | Path = ROOT, *, unsealed: bool = False, older_than: f
             action, reason = "keep", "sealed: sealed directories are removed only with --sealed"
         else:
             try:
-                with holding(lock_of(d, root), create=False):
+                with holding(lock_of(d), create=False):
                     pass
             except Held as h:
                 action, reason = "skip", f"being written by a running snakemake ({h})"
@@ -98,7 +93,7 @@ def prune_plan(root: str | Path = ROOT, *, unsealed: bool = False, older_than: f
 def remove(path: Path, root: str | Path = ROOT, records: Path = TRACKING_RECORDS) -> None:
     """Remove one evidence directory, holding its lock (raises Held when a snakemake holds it), and its
     sync record unless a directory of the same id remains in another campaign (records are keyed by id)."""
-    with holding(lock_of(path, root)):
+    with holding(lock_of(path)):
         shutil.rmtree(path)
     record = Path(records) / f"{path.name}.json"
     if record.is_file() and not any(d.name == path.name for d in evidence_dirs(root)):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from evident.workflow.evidence import interrupt
+
 HOST = "127.0.0.1"  # never another interface: the store has no authentication
 DEFAULT_STORE = "sqlite:///mlflow.db"  # MLflow's default tracking URI, which the pipeline logs to
 LOG = Path(".evident/ui.log")
@@ -64,10 +66,6 @@ def command(uri: str, port: int) -> list[str]:
             "--workers", "1", "--uvicorn-opts", "--no-access-log"]
 
 
-def _stop(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM and SIGHUP end the server as Ctrl-C does
-
-
 def serve(cmd: list[str]) -> int:
     """Run the server in its own process group until it exits or this process is interrupted or terminated; then
     stop the whole group (TERM, then KILL after 20 s). Its exit status, 0 when stopped here."""
@@ -76,7 +74,7 @@ def serve(cmd: list[str]) -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **ENV})
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.signal(s, _stop) for s in signals}
+    old = {s: signal.signal(s, interrupt) for s in signals}  # SIGTERM and SIGHUP stop it as Ctrl-C does
     try:
         rc = proc.wait()
         if rc:
