@@ -45,7 +45,7 @@ $(ENGINES)/vllm/.installed:
 	$(ENGINES)/vllm/bin/python -c "import vllm; print('evident: vllm', vllm.__version__)"
 	touch $@
 
-# A GGUF for it is made by llama.cpp's own converter (workflow/gguf.py), which the wheel lacks: its script, package
+# A GGUF for it is made by llama.cpp's own converter (workflow/models/gguf.py), which the wheel lacks: its script, package
 # and gguf-py come from the sdist of the very version installed (so the GGUF is written as that llama.cpp reads it),
 # into $(LLAMA)/convert/, with the converter's imports: torch at LOCK_TORCH, whose CPU build pip finds on disk here (a
 # bare `torch` is the registry's CUDA build, 5 GB).

@@ -7,7 +7,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.utils import min_version
 
-from evident.workflow.campaign import validate_campaign
+from evident.workflow.plan.campaign import validate_campaign
 
 min_version("9.0")
 

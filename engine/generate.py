@@ -4,7 +4,7 @@ The prompts are prefilled together (one forward of the batch, ragged prompts pad
 row of the cache with its own length), then all unfinished rows decode together, one batched forward per step
 (``Rows``, the loop, where rows may also join between steps: engine.serve's ``--join step``). Each step is launched
 before the last one's tokens reach the host, its input the last one's picks on the device: on the graph path the
-device does not wait for the host between steps (engine/DECODE.md measures what that wait cost; the eager forward
+device does not wait for the host between steps (docs/decode-log.md measures what that wait cost; the eager forward
 synchronises inside each step anyway), and the picks are made and written as the next inputs inside the captured step.
 Under expert parallelism every rank calls ``generate`` in lockstep with the same prompts; the combined logits are
 identical on every rank, so every rank picks the same tokens. Usage::

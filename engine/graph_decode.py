@@ -1,7 +1,7 @@
 """The engine's graph decode path (the `graph` kernels setting): one decode step of every batch row, static
 shapes, no host synchronisation, captured once per (batch, cache length) in a CUDA graph and replayed.
 
-A layer is about ten launches (engine/DECODE.md counts them), each launched with programmatic dependent
+A layer is about ten launches (docs/decode-log.md counts them), each launched with programmatic dependent
 launch (``kernels.pdl``) so that it overlaps the tail of the one before:
 - attention: the q and kv_a projections in one launch (``kernels.gemv`` at batch 1, ``kernels.skinny`` on the
   tensor cores at 2-16 rows), ``kernels.mla.mla_decode`` (three launches: the latent's RMSNorm, rope of k and q and
@@ -38,7 +38,7 @@ from evident.kernels.graphs import capture  # torch only: no Triton at engine im
 
 from . import decode_kernels
 from .config import V4
-from .model import MoE, LatentCache, Transformer, picks, project_pair
+from .model import LatentCache, MoE, Transformer, picks, project_pair
 
 
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +216,7 @@ class GraphDecode(CapturedStep):
         _interleave_rope(model)  # rope on the halves: before the projections' kernels take their weights
         self.model, self.ep = model, model.ep
         if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
-            # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (engine/DECODE.md). The
+            # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (docs/decode-log.md). The
             # routed experts have their own kernel, and the vocabulary projection is cuBLAS's at any batch.
             routed = {id(m) for layer in model.layers if isinstance(layer.mlp, MoE) for m in layer.mlp.experts.modules()}
             decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head,
@@ -227,7 +227,7 @@ class GraphDecode(CapturedStep):
         self.head, self.mla, self.moe, self.norm, self.route = head, mla, moe, norm, route
         self.pick_counts = head.counts_for(model.lm_head.weight.shape[0])
         # the vocabulary projection's int8 screen, for a batch-1 step whose logits are not wanted (kernels/head.py;
-        # engine/DECODE.md v34): of the weights as they are now, as the experts' stacks are
+        # docs/decode-log.md v34): of the weights as they are now, as the experts' stacks are
         head_kernel = model.pick_kernel is not None and model.lm_head.bias is None
         self.screen = head.screen_of(model.lm_head.weight) if head_kernel else None
         w = model.embed_tokens.weight
@@ -313,7 +313,7 @@ class GraphDecode(CapturedStep):
 
     def _ahead(self, layer: int, rows: int) -> tuple[torch.Tensor, ...]:
         """At batch 1, the next layer's q and kv_a projection weights, for this layer's attention to ask into L2 while
-        HBM is idle (engine/DECODE.md v25; at batch 8 it made the step slower)."""
+        HBM is idle (docs/decode-log.md v25; at batch 8 it made the step slower)."""
         if rows != 1 or layer + 1 >= len(self.model.layers):
             return ()
         attn = self.model.layers[layer + 1].self_attn
@@ -325,7 +325,7 @@ class GraphDecode(CapturedStep):
         w13, w2 = self.stacks[layer]
         n_shared = self.routes[layer]["shared"]
         # At batch 1 on one device the shared experts' gate/up programs need only x: they start once the router has
-        # published it, beside its logits and selection (engine/DECODE.md v23). Their output buffer is made before
+        # published it, beside its logits and selection (docs/decode-log.md v23). Their output buffer is made before
         # the router's launch, so that it cannot reuse memory the router's launch still reads.
         ready = self.ready[layer:layer + 1] if h.shape[0] == 1 and n_shared and self.ep is None else None
         out = None if ready is None else self.moe.gate_up_out(h, w13, moe.top_k + n_shared)  # x is h's shape and dtype

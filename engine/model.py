@@ -211,7 +211,7 @@ class Attention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
 
         # scores in fp32, as transformers' default (sdpa) and the graph path's kernel keep them: rounded to bf16
-        # they made the torch path's bf16 error 1.22x transformers' at DeepSeek-V2-Lite shape (engine/DECODE.md)
+        # they made the torch path's bf16 error 1.22x transformers' at DeepSeek-V2-Lite shape (docs/decode-log.md)
         scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
@@ -294,7 +294,7 @@ class MoE(nn.Module):
         weights, idx = self.route(flat)
         # the weighted sum over the chosen experts in fp32, rounded once, as transformers' default experts path
         # (grouped_mm) does; under expert parallelism this is the rank's partial. Rounding after each expert's add
-        # lost precision against transformers in bf16 (engine/DECODE.md, "Precision against transformers").
+        # lost precision against transformers in bf16 (docs/decode-log.md, "Precision against transformers").
         out = torch.zeros_like(flat, dtype=torch.float32)
         for e in torch.unique(idx).tolist():  # ascending expert order, as HF
             if str(e) not in self.experts:

@@ -31,7 +31,7 @@ row arriving while a batch decodes (``--join``):
   ``--cache-len`` positions a row, or what its first rows need if more; under ``batch``, what its rows need); else it
   waits for the next batch, and so do the rows that arrived after it (none passes it over). The rows decoding meanwhile wait for its prefill; rows waiting
   together are prefilled together.
-engine/DECODE.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
+docs/decode-log.md measures the two ("Joining at the next step"): joining pays where a prefill costs a few decode steps
 (the CPU's tiny model), not where it costs hundreds (the H200's graph step beside its eager prefill).
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
@@ -70,7 +70,7 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 WINDOW_S = 0.002  # how long an idle worker waits for more rows after the first
 WATCH_S = 0.5  # how often a waiting plain request checks that its client is still there
 JOINS = ("batch", "step")  # a row arriving while a batch decodes waits for the next batch, or joins it at its next step
-JOIN = "batch"  # the default: on the H200 an eager prefill stalls the batch longer than waiting (engine/DECODE.md)
+JOIN = "batch"  # the default: on the H200 an eager prefill stalls the batch longer than waiting (docs/decode-log.md)
 CACHE_LEN = 2048  # join "step": positions a row of a batch's cache holds at least (room to join; one shape to capture)
 
 

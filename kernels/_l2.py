@@ -4,7 +4,7 @@ At batch 1 a layer's attention launches leave HBM mostly idle, while the next la
 projections, waits on HBM. A launch of the attention asks those weights into L2 (``ask``, before its PDL wait: weights
 only), one bulk prefetch (``cp.async.bulk.prefetch.L2``) a thread a region, with an evict_last policy, so that the
 experts' stream between (loaded evict_first, kernels/moe.py) leaves them there. A prefetch changes no value; under the
-interpreter, or for a region it cannot take, none is issued. Measured: engine/DECODE.md v25.
+interpreter, or for a region it cannot take, none is issued. Measured: docs/decode-log.md v25.
 """
 from __future__ import annotations
 

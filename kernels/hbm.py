@@ -1,4 +1,4 @@
-"""The device's read bandwidth: the rate the bandwidth floors (workflow/floor.py, the kernel benches) divide bytes by.
+"""The device's read bandwidth: the rate the bandwidth floors (workflow/bench/floor.py, the kernel benches) divide bytes by.
 
 A decode step only reads its weights, so its floor is their bytes over what a plain read moves: this kernel, eight
 launches between the CUDA events. The floors used one timed device-to-device copy before, about 12% slower on an H200

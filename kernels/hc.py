@@ -13,7 +13,7 @@ kernel does not admit (a CPU tensor outside the interpreter, n above MAX_N). The
 tests/test_hc_kernel.py holds the two bitwise equal.
 
 A decode step of the torch path spends ~6 launches on each Sinkhorn iteration (20 in DeepSeek-V4-Flash), twice a
-layer; this is one (engine/DECODE.md).
+layer; this is one (docs/decode-log.md).
 """
 from __future__ import annotations
 

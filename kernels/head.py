@@ -12,7 +12,7 @@ put back to zero by the program that merged), so the answer never depends on sch
 (``head_reason``) get ``fallback()``: the caller's projection, pick, copy and advance.
 
 Why one launch: the step ended with cuBLAS's projection (106.7 µs on an H200 against a 94.7 µs read of its 419 MB,
-engine/DECODE.md v19), which cannot start before the final norm ends, then the pick, the copy into the inputs and the
+docs/decode-log.md v19), which cannot start before the final norm ends, then the pick, the copy into the inputs and the
 advance, three more launches on the step's path.
 
 ``head_pick_screened(x, w, screen, nxt, lengths, fallback)`` -> (ids, margins), the same pick, margin, write and
@@ -27,7 +27,7 @@ the hi, list the rows whose hi, rounded to the logits' dtype, is not below T so 
 has a rounded logit below two listed rows' (rounding is monotone), so the pick, the lowest index among equal maxima,
 and the runner-up are the full projection's. A NaN row is always listed. Why: at batch 1 the projection is the
 step's largest single read after the experts (419 MB in bf16 for DeepSeek-V2-Lite), and the pick needs only its top
-two (engine/DECODE.md v34).
+two (docs/decode-log.md v34).
 """
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def _word_floats(words, ASM: tl.constexpr):
     """int32 words of 4 bytes u (little-endian) -> 4 fp32 tensors 2**23 + u, byte 0 first: each byte put under the
     bits of 2**23, one PRMT an element on a GPU. A conversion from an integer runs at a quarter rate on sm_90, and
     Triton's own extraction of bytes took about four instructions an element: either left the screen
-    compute-bound, no faster than head_pick's read of twice the bytes (engine/DECODE.md v34)."""
+    compute-bound, no faster than head_pick's read of twice the bytes (docs/decode-log.md v34)."""
     if ASM:
         return tl.inline_asm_elementwise(
             "prmt.b32 $0, $4, 0x4B000000, 0x7540; prmt.b32 $1, $4, 0x4B000000, 0x7541;"

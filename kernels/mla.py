@@ -33,19 +33,19 @@ MAX_Q_PAIRS = 4096  # the cache write holds every head's rope pairs of a row at 
 BLOCK_L = 16  # cache positions per step of the online softmax (32: 255 registers at R=512)
 # Position chunks a (row, head), flash-decoding: up to SPLITS, until the core has about PROGRAMS programs. On an
 # H200 at batch 1 (16 programs unsplit) 4 chunks took the decode step from 2.53 to 2.39 ms; at batch 8 (128
-# programs) splitting gained nothing (engine/DECODE.md v8).
+# programs) splitting gained nothing (docs/decode-log.md v8).
 SPLITS = 4
 PROGRAMS = 64
 BLOCK_N = 64  # W_UK rows (of nope) per load in the q_lat kernel
 SLICE_R = 64  # latent columns per q_lat program: R / SLICE_R programs a head
 SLICE_V = 16  # W_UV rows per output program: v / SLICE_V programs a head
 SLICE_WARPS = 4  # the q_lat and output kernels
-NUM_WARPS = 4  # the attention core: 8 took the b1 step 1.79 -> 1.85 ms on an H200, 2 as slow (engine/DECODE.md v11)
+NUM_WARPS = 4  # the attention core: 8 took the b1 step 1.79 -> 1.85 ms on an H200, 2 as slow (docs/decode-log.md v11)
 W_STAGES = 2  # pipeline stages (cp.async) of the W_UK loop
 L_STAGES = 3  # and of the position loop
 WRITE_WARPS = SLICE_WARPS  # mla_decode writes in the q-latent launch: the same warps, the same bits
 # The attention core on a GPU in Gluon, its layout chosen: a tile's positions in each thread's registers and across
-# CORE_LANES lanes, the latent across the warp's other lanes and every warp (engine/DECODE.md v31)
+# CORE_LANES lanes, the latent across the warp's other lanes and every warp (docs/decode-log.md v31)
 GLUON_CORE = True
 CORE_LANES = 4
 CORE_VEC = 8  # latent values a thread loads at once (16 bytes in bf16)

@@ -23,7 +23,7 @@ from ._mma import mma
 MAX_B = 16  # tokens per call
 # B = 1: weight rows per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
 # experts_down, DOWN_BLOCK_N). One row (gemv.py's finding at K=2048..4096) for gate/up; two for down (K=1408,
-# 16,384 programs a call with one): the decode step at batch 1 on an H200 2.38 -> 2.17 ms (engine/DECODE.md v8).
+# 16,384 programs a call with one): the decode step at batch 1 on an H200 2.38 -> 2.17 ms (docs/decode-log.md v8).
 BLOCK_N = 1
 DOWN_BLOCK_N = 2
 BLOCK_K = 512
@@ -42,7 +42,7 @@ DOT_STAGES = 3  # the K loop's software pipeline: weight tiles in flight per pro
 # programs.
 INTERPRETER_BLOCK_N = 1024
 # B = 1 in the graph step (experts_down's ``early``): down's programs go on over the slots whose h gate_up has
-# written, instead of waiting for gate_up's end (engine/DECODE.md v28). False: the A/B switch of the decode probe.
+# written, instead of waiting for gate_up's end (docs/decode-log.md v28). False: the A/B switch of the decode probe.
 EARLY_DOWN = True
 BLOCK_D = 1024  # the weighted sum over slots: D columns per program
 COMBINE_WARPS = 4

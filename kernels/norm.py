@@ -26,7 +26,7 @@ from . import pdl
 from ._admit import device_reason, dtype_reason
 
 MAX_D = 16384  # one row per program, held whole in registers
-WARPS = 16  # a row of 1024 or more, shorter ones one warp: 4 took the b1 step 1.75 -> 1.80 ms (engine/DECODE.md v11)
+WARPS = 16  # a row of 1024 or more, shorter ones one warp: 4 took the b1 step 1.75 -> 1.80 ms (docs/decode-log.md v11)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 A kernel launched with PDL may start while the previous kernel in the stream is still finishing: its launch
 and prologue overlap that kernel's tail instead of following it (~2 µs a launch inside a CUDA graph on an
-H200, engine/DECODE.md). Every kernel launched this way calls ``wait`` before it touches memory that an
+H200, docs/decode-log.md). Every kernel launched this way calls ``wait`` before it touches memory that an
 earlier kernel may write or read (its inputs, its outputs, scratch reused from the graph's pool); only
 weights, which no kernel writes, may be loaded before it. ``wait`` returns once the previous kernel has
 finished and its writes are visible, and then lets the next kernel start its own prologue. Since every

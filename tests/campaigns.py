@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from snakemake.exceptions import WorkflowError
 
-from evident.workflow.campaign import validate_campaign
+from evident.workflow.plan.campaign import validate_campaign
 
 SCHEMA = str(Path(__file__).resolve().parents[1] / "config/schema.yaml")
 

@@ -1,10 +1,10 @@
 """A real one-node Slurm cluster, PostgreSQL and an MLflow tracking server on it, all on loopback, for
-tests/test_cluster.py (README "Running on a cluster").
+tests/test_cluster.py (docs/gpu-and-cluster.md "Running on a cluster").
 
 Debian's packages (slurmctld, slurmd, slurm-client, munge, postgresql) are installed when missing (as root,
 through apt-get); each daemon runs in the foreground as a child of the test, and `stop()` ends them and removes
 /etc/slurm/slurm.conf (a slurm.conf without its controller makes every `snakemake` start wait ~9 s once the
-Slurm executor plugin is installed: README "Cluster notes"). Whatever cannot be set up raises `Unavailable`
+Slurm executor plugin is installed: docs/gpu-and-cluster.md "Cluster notes"). Whatever cannot be set up raises `Unavailable`
 with the reason, and the test skips saying it.
 """
 
@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from evident.workflow.targets import free_port, port_free  # free_port: below the OS's ephemeral range, each port once
+from evident.workflow.plan.targets import (  # free_port: below the OS's ephemeral range, each port once
+    free_port,
+    port_free,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "postgresql"]
@@ -37,7 +40,11 @@ PARTITION = "main"
 _LOCAL_RUN: dict = {}
 # The tests that read or change the default run's working directory (test_pipeline, test_archive, test_cluster): one
 # pytest-xdist group, so one worker runs them one after another, as a serial session does.
-shares_default_run = pytest.mark.xdist_group("default-run")
+DEFAULT_RUN = "default-run"
+shares_default_run = pytest.mark.xdist_group(DEFAULT_RUN)
+# A module whose fixture waits for the default run (trained_checkpoint) from another worker: tests/conftest.py orders
+# it after the other end-to-end units, by when that run has ended, rather than idle on its lock.
+waits_for_default_run = pytest.mark.waits_for_default_run
 
 
 def session_dir(tmp_path_factory) -> Path:

@@ -1,4 +1,4 @@
-"""A `command` engine target for the tests (README "Engine targets"): the engine of the `engine` package on the path
+"""A `command` engine target for the tests (docs/engine-targets.md): the engine of the `engine` package on the path
 (a scratch copy with a mutant, tests/mutants.py, where PYTHONPATH puts one first) reads a request and writes a trace.
 
     python tests/command_engine.py --checkpoint DIR --dtype float32 REQUEST OUT [--malformed]
@@ -31,7 +31,7 @@ def main() -> None:
 
     from evident.engine.checkpoint import load_model
     from evident.engine.generate import forced, generate
-    from evident.workflow.logprobs import Positions
+    from evident.workflow.parity.logprobs import Positions
 
     model = load_model(args.checkpoint, device="cpu", dtype=getattr(torch, args.dtype))
     cases = []

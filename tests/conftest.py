@@ -10,6 +10,7 @@ import os
 # needs (a 2-thread training loop beside a busy core: 3-8x slower spinning). The results are the same.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import cluster  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -26,9 +27,10 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     slow = {group(item) for item in items if item.get_closest_marker("slow")}
-    # units with an end-to-end run first (each in collection order): the longest start early, the short ones fill the
-    # workers at the end
-    items.sort(key=lambda item: group(item) not in slow)
+    # units with an end-to-end run first, the longest (the default run's) before all, and last among them those that
+    # wait for it: the long ones start early, the short ones fill the workers at the end
+    items.sort(key=lambda item: (group(item) not in slow, group(item) != cluster.DEFAULT_RUN,
+                                 item.get_closest_marker("waits_for_default_run") is not None))
     result = yield
     # tests that share a working directory must not run on two workers at once: stop if the groups did not take
     if config.getvalue("loadgroup") and not all(item.nodeid.endswith(f"@{group(item)}") for item in items):

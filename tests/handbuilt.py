@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from evident.workflow import benchstats
-from evident.workflow.evidence import Stage, write_json, write_manifest, write_text
-from evident.workflow.runs import SAME, bench_cell, cell_label, cell_prompts
+from evident.workflow.bench import benchstats
+from evident.workflow.core.evidence import Stage, write_json, write_manifest, write_text
+from evident.workflow.plan.runs import SAME, bench_cell, cell_label, cell_prompts
 
 CONTRACT = {"prompt_sha256": "ab", "prompt_tokens": 9, "new_tokens": 5, "warmup": 1, "repeats": 3,
             "dtype": "float32", "timer": "perf_counter"}

@@ -125,7 +125,7 @@ def serve(root: Path, name: str, ckpt: Path, dtype: str, device: str = "cpu"):
     """The engine server (targets.engine_server) of a scratch copy of the engine with mutant
     `name`, an endpoint target for the quality gate: yields its base URL ending in /v1; always stopped. Its log
     is root/logs/serve.log."""
-    from evident.workflow import targets
+    from evident.workflow.plan import targets
 
     src = scratch(root, name)
     with targets.engine_server(ckpt, device, dtype, root / "logs/serve.log", code=src, env=env(src)) as (url, _):

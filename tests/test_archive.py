@@ -1,4 +1,4 @@
-"""The evidence archive (workflow/archive.py) and the `evident` CLI (workflow/cli.py).
+"""The evidence archive (workflow/archive/archive.py) and the `evident` CLI (workflow/cli.py).
 
 Fast tests use directories built by hand (tests/handbuilt.py); the slow ones use what the default campaign's
 run wrote (the session's one local run, tests/cluster.py `default_local_run`, shared with test_pipeline.py and
@@ -15,13 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import cluster
 import handbuilt
 import headless
-from evident.workflow import archive, cli, diff, locks
-from evident.workflow.evidence import FAILED, INTERRUPTED, MANIFEST, Stage, write_json, write_manifest
+import pytest
+
+from evident.workflow import cli
+from evident.workflow.archive import archive, diff
+from evident.workflow.core import locks
+from evident.workflow.core.evidence import FAILED, INTERRUPTED, Stage, write_json, write_manifest
+from evident.workflow.core.layout import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -216,7 +219,7 @@ def test_show_prints_the_summary_and_errors_name_what_was_not_found(arch, capsys
 
 
 def test_ls_tells_a_running_run_from_a_stopped_one(arch, capsys):
-    """Unsealed is running while a snakemake holds the directory's lock (workflow/locks.py; the kernel drops it with
+    """Unsealed is running while a snakemake holds the directory's lock (workflow/core/locks.py; the kernel drops it with
     its process), else interrupted, or failed where a stage failed."""
     ev = arch / "tiny/ccccccc-c44444444-r1"
     lock = archive.lock_of(ev)

@@ -8,6 +8,7 @@ pytest.importorskip("transformers")
 from test_engine_kernels import MICRO, PROMPT  # noqa: E402
 from test_engine_parity import hf_generate as hf_reference  # noqa: E402
 from test_engine_parity import hf_model  # noqa: E402
+
 from evident.workflow.stages.bench import hf_generate  # noqa: E402
 
 
@@ -30,10 +31,11 @@ def test_each_transformers_path_is_its_own_cell_on_its_own_experts(tmp_path):
     (float32), and the stage writes a cell per path with its warm-up recorded apart from the repeats; and the
     distinct-prompts cells of each path, its rows left-padded, each row as its prompt alone."""
     import tinyev
-    from evident.workflow import environment
-    from evident.workflow.evidence import read_json, write_json
-    from evident.workflow.runs import HF_PATHS
-    from evident.workflow.session import open_session
+
+    from evident.workflow.core.evidence import read_json, write_json
+    from evident.workflow.models.session import open_session
+    from evident.workflow.plan import environment
+    from evident.workflow.plan.runs import HF_PATHS
     from evident.workflow.stages import bench
 
     cfg = tinyev.config(bench={"backends": list(HF_PATHS), "batch_sizes": [1, 2], "prompt": "Hi", "new_tokens": 4,

@@ -1,22 +1,23 @@
 """The bench's distinct-prompts contract (bench.prompts): its cells beside the same-prompt ones, each row checked
-against its prompt alone, and the floor from the experts actually chosen (workflow/replay.py, workflow/floor.py);
+against its prompt alone, and the floor from the experts actually chosen (workflow/bench/replay.py, workflow/bench/floor.py);
 the contracts kept apart by diff, trend and the baseline."""
 
 from __future__ import annotations
 
 import contextlib
 
+import handbuilt as hb
+import mutants
 import pytest
+import tinyev
 import torch
 
 from evident.engine.config import load_args
-
-import handbuilt as hb
-import mutants
-import tinyev
-from evident.workflow import archive, diff, environment, floor, replay, trend
-from evident.workflow.evidence import read_json, write_json
-from evident.workflow.runs import DISTINCT
+from evident.workflow.archive import archive, diff, trend
+from evident.workflow.bench import floor, replay
+from evident.workflow.core.evidence import read_json, write_json
+from evident.workflow.plan import environment
+from evident.workflow.plan.runs import DISTINCT
 from evident.workflow.stages import bench
 from evident.workflow.stages.bench_report import compare_to
 
@@ -127,7 +128,7 @@ def test_a_screened_step_counts_the_screen_in_place_of_the_vocabulary_projection
     assert fl["vocabulary_screened"] and "screen" in fl["basis"]
     cell = read_json(ev / "bench/single-b1.json")  # the torch path: no screen
     assert cell["floor"]["vocabulary_screened"] is False
-    from evident.workflow import summary
+    from evident.workflow.archive import summary
 
     assert "int8 screen" not in summary.bench_floor_lines([cell])[0]
     assert "int8 screen" in summary.bench_floor_lines([cell, {"floor": fl}])[0]
@@ -172,7 +173,7 @@ def test_a_prefill_that_counts_padding_writes_no_distinct_figure(tmp_path, monke
 def test_transformers_routers_choose_as_the_engine_does(benched):
     """The hf paths' floor comes from transformers' own routers (float32: the same choices as the engine's)."""
     from evident.engine.checkpoint import load_model
-    from evident.workflow import hf
+    from evident.workflow.models import hf
 
     ckpt, _ = benched
     rows, tokens = [[5, 9, 2], [7, 7, 3, 11, 4]], [[3, 8, 1, 4], [2, 2, 9, 6]]
@@ -214,7 +215,7 @@ def test_contracts_are_kept_apart_by_diff_trend_and_the_baseline(tmp_path):
 
 
 def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
-    from evident.workflow import summary
+    from evident.workflow.archive import summary
     from evident.workflow.stages import bench_report
 
     _, ev = benched

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from evident.workflow.evidence import write_json
+from evident.workflow.core.evidence import write_json
 from evident.workflow.stages.bench_report import compare_to, resolve_baseline
 
 
 def cell(backend="single", batch=1, tpot=10.0, new_tokens=5):
     repeats = [{"ttft_ms": 20.0, "first_decode_ms": 12.0, "steady_ms": [tpot] * (new_tokens - 2)} for _ in range(3)]
-    from evident.workflow.benchstats import summarize_cell
+    from evident.workflow.bench.benchstats import summarize_cell
 
     return {"backend": backend, "batch": batch,
             "contract": {"prompt_sha256": "ab", "prompt_tokens": 9, "new_tokens": new_tokens, "warmup": 1,

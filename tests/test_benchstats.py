@@ -1,4 +1,4 @@
-"""Unit tests for workflow/benchstats.py on recorded, hand-built decode-benchmark samples.
+"""Unit tests for workflow/bench/benchstats.py on recorded, hand-built decode-benchmark samples.
 
 Expected values are computed by hand in the comments (numpy's default linear percentile:
 rank = (n - 1) * q, interpolate between the two neighbouring sorted samples)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evident.workflow.benchstats import (
+from evident.workflow.bench.benchstats import (
     MIN_EFFECT,
     NOISE,
     PROBE_LIMIT,
@@ -459,7 +459,7 @@ def test_plot_bytes_identical_in_fresh_process(tmp_path):
     frame.to_pickle(tmp_path / "frame.pkl")
     there = tmp_path / "there.png"
     code = (
-        "import pandas as pd, sys; from evident.workflow.benchstats import plot; "
+        "import pandas as pd, sys; from evident.workflow.bench.benchstats import plot; "
         "plot(pd.read_pickle(sys.argv[1]), sys.argv[2])"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "frame.pkl"), str(there)],
@@ -485,7 +485,7 @@ def test_plot_rings_noisy_cells(tmp_path):
 
 def test_probes_of_different_workloads_make_no_claim():
     before, after = cell([2.0, 2.0, 2.02], probe=3.0), cell([2.7, 2.7, 2.72], probe=3.0)  # +35 %, probes alike
-    before["probe"], after["probe"] = {"rounds": 64}, {"rounds": 32}  # the cells' workloads (workflow/machine.py)
+    before["probe"], after["probe"] = {"rounds": 64}, {"rounds": 32}  # the cells' workloads (workflow/bench/machine.py)
     out = directional_claim(after, before)
     assert out["claim"] == "no directional claim" and "different workloads" in out["reason"]
     after["probe"] = {"rounds": 64}

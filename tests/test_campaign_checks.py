@@ -12,16 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import handbuilt
 import pytest
 import yaml
 from snakemake.exceptions import WorkflowError
-
-import handbuilt
 from test_summary import gate_rows
-from evident.workflow import checkpoints, estimate, runs
-from evident.workflow.campaign import evidence_config, models, required_fields, validate_campaign
-from evident.workflow.evidence import MANIFEST, config_hash, sha256_bytes
-from evident.workflow.summary import DETAILS, SUMMARY
+
+from evident.workflow.core.evidence import config_hash, sha256_bytes
+from evident.workflow.core.layout import DETAILS, MANIFEST, SUMMARY
+from evident.workflow.models import checkpoints
+from evident.workflow.plan import estimate, runs
+from evident.workflow.plan.campaign import evidence_config, models, required_fields, validate_campaign
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -213,7 +214,7 @@ def test_quality_defaults_fit_the_embedded_data_and_the_tiny_context():
     g = valid(minimal())["quality"]["gsm8k"]
     assert (g["limit"], g["shots"], g["max_tokens"]) == (8, 1, 64)
     tok, _, _ = checkpoints.build_tokenizer(512, 0, 1)
-    from evident.workflow import gsm8k
+    from evident.workflow.parity import gsm8k
 
     rows = {s: gsm8k.load_split(g, s)[0] for s in ("test", "train")}
     longest = max(len(tok.encode(it["prompt"]).ids) for it in gsm8k.build_prompts(rows["test"], rows["train"], 8, 1))
@@ -319,7 +320,7 @@ def test_deepseek_v3_and_group_limited_routing_are_checked_before_any_work():
 def test_overlap_shapes_are_stated_together():
     assert "at `overlap`: states K but not all of K, segments and gemm_n" in rejected(
         {**minimal(), "overlap": {"K": 4096}})
-    # `gate` would name the quality gate's own file (workflow/gsm8k.py RESULT, GATE): the schema refuses it
+    # `gate` would name the quality gate's own file (workflow/parity/gsm8k.py RESULT, GATE): the schema refuses it
     assert "at `quality.targets.1`" in rejected(
         {**minimal(), "quality": {"targets": ["hf", {"name": "gate", "url": "http://127.0.0.1:1"}]}})
 

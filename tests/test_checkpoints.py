@@ -1,4 +1,4 @@
-"""Unit tests for workflow/checkpoints.py: the synthetic writer, its tokenizer, transformers
+"""Unit tests for workflow/models/checkpoints.py: the synthetic writer, its tokenizer, transformers
 loading, describe()/verify() corruption checks and the offline hub fetch."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from evident.workflow import checkpoints
-from evident.workflow.checkpoints import CheckpointInvalid
+from evident.workflow.models import checkpoints
+from evident.workflow.models.checkpoints import CheckpointInvalid
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED, INIT_STD, DTYPE = 0, 0.08, "float32"
@@ -120,7 +120,7 @@ def test_the_campaign_check_builds_the_tokenizer_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from evident.workflow import checkpoints; checkpoints.build_tokenizer(512, 0, 1); "
+    code = ("import sys; from evident.workflow.models import checkpoints; checkpoints.build_tokenizer(512, 0, 1); "
             "assert 'torch' not in sys.modules; assert checkpoints.DTYPES['bfloat16'] is __import__('torch').bfloat16")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -232,14 +232,14 @@ def test_a_synthetic_checkpoint_of_each_family_is_transformers_own_and_the_engin
 
 def test_mtp_layers_in_a_v3_checkpoint_are_named_and_neither_side_reads_them(tiny_config, tmp_path):
     """A V3 checkpoint holding its multi-token-prediction layers (numbered after the model's own): the record names
-    them (engine.checkpoint.mtp_tensors), and the oracle's loader (workflow/hf.py) and the engine load the model
+    them (engine.checkpoint.mtp_tensors), and the oracle's loader (workflow/models/hf.py) and the engine load the model
     without them, with the same logits as the checkpoint without them."""
     import json
 
     from safetensors.torch import save_file
 
     from evident.engine.checkpoint import load_model, mtp_tensors
-    from evident.workflow import hf
+    from evident.workflow.models import hf
 
     v3 = {**tiny_config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "n_group": 2, "topk_group": 1}
     out = checkpoints.write_synthetic(tmp_path / "v3", v3, SEED, INIT_STD, DTYPE)

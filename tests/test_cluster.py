@@ -1,4 +1,4 @@
-"""Beyond one machine (README "Running on a cluster").
+"""Beyond one machine (docs/gpu-and-cluster.md "Running on a cluster").
 
 - Resources and local GPU assignment: every rule declares its resources from the campaign; with
   `--resources gpu=N` each GPU job of a local run gets devices of its own (checked on the CPU by the assignment,
@@ -19,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import cluster
 import pytest
+import tinyev
 import yaml
 
-import cluster
-import tinyev
-from evident.workflow import gpus
-from evident.workflow.evidence import MANIFEST, read_json
+from evident.workflow.core.evidence import read_json
+from evident.workflow.core.layout import MANIFEST
+from evident.workflow.plan import gpus
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = yaml.safe_load((REPO / "config/config.yaml").read_text())
@@ -70,7 +71,7 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
     for j in jobs:
         assert j["resources"]["gpu"] == "0" and "gpu_model" not in j["resources"], j
         assert {"cpus_per_task", "mem_mb", "runtime"} <= set(j["resources"]), j
-        assert "evident.workflow.gpus" not in j["shell"], j
+        assert "evident.workflow.plan.gpus" not in j["shell"], j
         # the CPU runs Triton's interpreter, whose switch Triton reads when torch first imports it
         if j["rule"] in ("parity", "bench", "serve_bench", "overlap", "profile", "quality"):
             assert "TRITON_INTERPRET=1 " in j["shell"], j
@@ -94,7 +95,7 @@ def test_every_rule_declares_its_resources_from_the_campaign(tmp_path):
         assert j["resources"]["gpu"] == str(want), j
         assert j["resources"].get("gpu_model") == ("h200" if want else None), j
         assert j["resources"]["mem_mb"] == "65536"
-        assert (f"-m evident.workflow.gpus {want} -- " in j["shell"]) == bool(want), j
+        assert (f"-m evident.workflow.plan.gpus {want} -- " in j["shell"]) == bool(want), j
         assert "TRITON_INTERPRET" not in j["shell"], j
     assert {j["rule"] for j in jobs if j["resources"]["gpu"] == "2"} == {"context", "parity", "bench"}
     # the scheduler's resources are not part of what was measured: the id's config hash is the same without them
@@ -122,7 +123,7 @@ time.sleep(float(sys.argv[2]))
 json.dump({"cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuids": seen, "start": t0, "end": time.time()},
           open(sys.argv[1], "w"))
 """
-SNAKEFILE = """from evident.workflow.campaign import validate_campaign
+SNAKEFILE = """from evident.workflow.plan.campaign import validate_campaign
 
 configfile: "campaign.yaml"
 validate_campaign(config, "{repo}/config/schema.yaml")
@@ -203,7 +204,7 @@ def test_a_job_waits_for_a_free_device_and_cluster_jobs_are_left_alone(tmp_path)
     mine = f"{socket.gethostname()}:{os.getpid()}"  # this test process, an ancestor of the jobs below, owns the pool
     held = gpus.acquire(1, ["0"], locks=tmp_path / ".evident/gpus")
     out = tmp_path / "out.txt"
-    cmd = [sys.executable, "-m", "evident.workflow.gpus", "1", "--", "sh", "-c", f"echo $CUDA_VISIBLE_DEVICES > {out}"]
+    cmd = [sys.executable, "-m", "evident.workflow.plan.gpus", "1", "--", "sh", "-c", f"echo $CUDA_VISIBLE_DEVICES > {out}"]
     p = subprocess.Popen(cmd, cwd=tmp_path, env={**env, gpus.POOL_ENV: f"0@{mine}"}, stderr=subprocess.PIPE, text=True)
     time.sleep(2)
     assert p.poll() is None and not out.exists()  # waiting, not sharing
@@ -219,7 +220,7 @@ def test_a_job_waits_for_a_free_device_and_cluster_jobs_are_left_alone(tmp_path)
     other.wait()
     assert r.returncode == 0 and out.read_text().strip() == "7" and "evident:" not in r.stderr
     # a job that needs more devices than the pool has fails, saying so
-    r = subprocess.run([sys.executable, "-m", "evident.workflow.gpus", "2", "--", "true"], cwd=tmp_path, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "evident.workflow.plan.gpus", "2", "--", "true"], cwd=tmp_path, capture_output=True,
                        text=True, env={**env, gpus.POOL_ENV: f"0@{mine}"}, timeout=60)
     assert r.returncode != 0 and "needs 2 GPU(s), the local pool has 1" in r.stderr
 

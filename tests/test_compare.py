@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evident.workflow import logprobs, verdicts
-from evident.workflow.evidence import read_json, text_sha256, token_sha256
-from evident.workflow.logprobs import REFERENCE_DTYPE as F32
+from evident.workflow.core import verdicts
+from evident.workflow.core.evidence import read_json, text_sha256, token_sha256
+from evident.workflow.core.verdicts import SEVERITY
+from evident.workflow.parity import logprobs
+from evident.workflow.parity.logprobs import REFERENCE_DTYPE as F32
+from evident.workflow.parity.traces import first_row_mismatch
 from evident.workflow.stages import compare as cmp
 from evident.workflow.stages.compare import HashMismatch, check_hashes, compare
-from evident.workflow.traces import first_row_mismatch
-from evident.workflow.verdicts import SEVERITY
 
 ROOT = Path(__file__).resolve().parents[1]
 NEAR_TIE = 0.1
@@ -684,7 +685,7 @@ def test_the_compare_defaults_are_the_schemas():
 def test_summary_parity_matrix_has_one_row_per_backend_path_batch():
     """SUMMARY.md's parity table: a row per run (not per case) with the forced figures, and each distinct first
     divergence listed once with the cells it occurs in."""
-    from evident.workflow.summary import parity_section
+    from evident.workflow.archive.summary import parity_section
 
     o, runs = bf16_campaign({"a": 1.5 * HF_ERROR, "b": 1.5 * HF_ERROR}, batch=2)
     res = compare(o, runs + [{**runs[0], "kernels": "graph"}], NEAR_TIE)

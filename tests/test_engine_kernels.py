@@ -12,12 +12,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_engine_parity import hf_generate, hf_model  # noqa: E402
+
 from evident.engine import decode_kernels  # noqa: E402
 from evident.engine.checkpoint import load_model  # noqa: E402
 from evident.engine.generate import generate  # noqa: E402
 from evident.engine.model import LatentCache  # noqa: E402
 from evident.kernels import gemv  # noqa: E402
-from test_engine_parity import hf_generate, hf_model  # noqa: E402
 
 MICRO = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
@@ -111,7 +112,7 @@ def test_batched_projections_take_the_few_row_kernel(models):
 def test_the_cpu_kernels_refuse_to_run_without_the_interpreter_switch_set_at_start(monkeypatch):
     """Set inside the process, the switch comes after torch imported Triton: nested kernels then fail deep in
     Triton. The stage says what to do instead (the rules set it for every CPU stage)."""
-    from evident.workflow import environment
+    from evident.workflow.plan import environment
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as conftest sets it on a CPU (on a GPU it is unset)
     environment.require_interpreter("x")

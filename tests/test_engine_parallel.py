@@ -23,15 +23,17 @@ import torch
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
+from test_engine_parity import CONFIGS  # noqa: E402
+from test_engine_parity import PROMPT as GROUP_PROMPT
+from test_engine_parity import hf_generate as parity_generate  # noqa: E402
+from test_engine_parity import hf_model as parity_model
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM  # noqa: E402
 
 from evident.engine.checkpoint import CheckpointError, load_model  # noqa: E402
 from evident.engine.generate import generate  # noqa: E402
 from evident.engine.model import MoE  # noqa: E402
 from evident.engine.parallel import ExpertParallel, init_from_env  # noqa: E402
-from test_engine_parity import CONFIGS, PROMPT as GROUP_PROMPT  # noqa: E402
-from test_engine_parity import hf_generate as parity_generate, hf_model as parity_model  # noqa: E402
-from evident.workflow.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
+from evident.workflow.plan.targets import free_port  # noqa: E402  (below the OS's ephemeral range, each port once)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"

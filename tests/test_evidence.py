@@ -1,5 +1,5 @@
-"""Unit tests for the evidence core (workflow/evidence.py): hashes, atomic writes, git state,
-evidence ids, stage records and the manifest (ARCHITECTURE.md section 3, "The evidence contract")."""
+"""Unit tests for the evidence core (workflow/core/evidence.py): hashes, atomic writes, git state,
+evidence ids, stage records and the manifest (docs/evidence.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evident.workflow import evidence
+from evident.workflow.core import evidence
 
 # --- hashes --------------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ def test_make_dirs(tmp_path, umask):
 
 
 def test_html_archive_is_world_readable(tmp_path, umask):
-    from evident.workflow import pages
+    from evident.workflow.archive import pages
 
     umask(0o077)
     root = tmp_path / "evidence"
@@ -216,7 +216,7 @@ SOURCE = {
     "engine/model.py": "x = 1\n",
     "engine/sub/deep.py": "y = 1\n",
     "kernels/gemv.py": "z = 1\n",
-    "workflow/evidence.py": "w = 1\n",
+    "workflow/core/evidence.py": "w = 1\n",
     "workflow/stages/html.py": "h = 1\n",
     "workflow/rules/common.smk": "rule all:\n",
     "workflow/profiles/local/config.yaml": "cores: 2\n",

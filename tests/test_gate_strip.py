@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import io
 
+import handbuilt as hb
 import numpy as np
 import pytest
-
-import handbuilt as hb
-from evident.workflow import trend
-from evident.workflow.evidence import Stage
-from evident.workflow.gates import BY_NAME, NOT_COMPILED, NOT_MEASURED, NOT_RUN
-
 from test_trend import seal
+
+from evident.workflow.archive import trend
+from evident.workflow.core.evidence import Stage
+from evident.workflow.core.gates import BY_NAME, NOT_COMPILED, NOT_MEASURED, NOT_RUN
 
 GREEN, GREY = (0x2D, 0xA4, 0x4E), (0xD0, 0xD7, 0xDE)
 

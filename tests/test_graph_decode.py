@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from evident.engine import graph_decode  # noqa: E402
-from evident.engine.generate import Rows, forced, generate  # noqa: E402
 from test_engine_kernels import MICRO, N_NEW, PROMPT, micro_models  # noqa: E402
 from test_engine_parity import hf_generate  # noqa: E402
+
+from evident.engine import graph_decode  # noqa: E402
+from evident.engine.generate import Rows, forced, generate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 LONGER = [5, 9, 60, 33, 12, 7, 81, 40]
@@ -282,7 +283,7 @@ def test_the_path_keeps_a_bounded_number_of_caches_the_least_recently_used_going
 
 def test_profile_captures_the_graph_step(models, monkeypatch):
     """bench.kernels: graph profiles the step the benchmark times, not the model's ordinary forward."""
-    from evident.workflow import profilers
+    from evident.workflow.bench import profilers
 
     _, _, fast = models
     calls = []
@@ -296,9 +297,10 @@ def test_profile_captures_the_graph_step(models, monkeypatch):
 def test_rope_on_the_halves_becomes_interleaved_pairs_computing_the_same(tmp_path):
     """DeepSeek-V3 with rope_interleave false (q LoRA set, yarn): enabling the graph path permutes q's and k's rope
     rows into interleaved pairs; the ordinary forward then rotates interleaved pairs, to the same logits."""
+    from test_engine_parity import CONFIGS, hf_model
+
     from evident.engine.checkpoint import load_model
     from evident.engine.model import LatentCache
-    from test_engine_parity import CONFIGS, hf_model
 
     hf = hf_model({**CONFIGS["v3-q_direct-e16-g4-t1-k3-yarn4-halves"], "q_lora_rank": 16})
     hf.save_pretrained(tmp_path)
@@ -329,8 +331,9 @@ def test_graph_path_of_the_group_routings_equals_hf(name, tmp_path):
     it can differ by row as well (MKL's AVX2 kernel rounds equal rows of one block by their place in it), so there
     the alike rows are compared bitwise at the lm_head's input, where the engine's own work ends (the step runs
     eagerly there: a hook sees it), and their logits to that matmul's rounding."""
-    from evident.engine.checkpoint import load_model
     from test_engine_parity import CONFIGS, hf_model
+
+    from evident.engine.checkpoint import load_model
 
     hf = hf_model(CONFIGS[name])
     hf.save_pretrained(tmp_path)

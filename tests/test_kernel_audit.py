@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from evident.workflow.evidence import read_json
+from evident.workflow.core.evidence import read_json
 from evident.workflow.stages import kernel_audit
 
 CONFIG = {"hidden_size": 2048, "kv_lora_rank": 512, "num_attention_heads": 16, "v_head_dim": 128,
@@ -81,7 +81,7 @@ def test_the_vocabulary_projection_is_audited_at_the_hidden_size_alone(monkeypat
 
 @pytest.mark.parametrize("verdict,fails", [("spills", True), ("ok", False), ("not_compiled", False)])
 def test_gate_fails_on_spills_after_sealing(tmp_path, verdict, fails):
-    from evident.workflow.evidence import write_json, write_manifest
+    from evident.workflow.core.evidence import write_json, write_manifest
     from evident.workflow.stages import gate
 
     ev = tmp_path / "ev"

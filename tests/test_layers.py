@@ -80,3 +80,22 @@ def test_the_checks_see_function_local_imports_and_cycles(tmp_path):
     assert imports(src, "evident.engine.x") == {"evident.engine.config", "evident.kernels.head"}
     found = cycle({**GRAPH, "evident.engine.config": GRAPH["evident.engine.config"] | {"evident.engine.model"}})
     assert found[0] == found[-1] and "evident.engine.config" in found
+
+
+def _edges(source: str, target: str, allowed: str = "") -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith(source + ".") for t in ts
+                  if _within(t, target) and not (allowed and _within(t, allowed)))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_workflow_core_imports_no_other_workflow_package():
+    """core/ (the evidence directory's primitives) is what every other package stands on."""
+    assert _edges("evident.workflow.core", "evident.workflow", allowed="evident.workflow.core") == []
+
+
+def test_no_workflow_module_imports_a_stage():
+    """A stage is a command line at the top: nothing imports one, another stage neither."""
+    assert _edges("evident.workflow", "evident.workflow.stages") == []

@@ -1,4 +1,4 @@
-"""The pipeline's locks (workflow/locks.py) as a user meets them: a refused run leaves no lock file behind, and a
+"""The pipeline's locks (workflow/core/locks.py) as a user meets them: a refused run leaves no lock file behind, and a
 second campaign started while a run is live is told which run holds the working directory and that `--unlock` is
 only for a run that was killed; the live run goes on unharmed."""
 
@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import tinyev
 import yaml
 
-import tinyev
-from evident.workflow import locks
-from evident.workflow.evidence import MANIFEST
+from evident.workflow.core import locks
+from evident.workflow.core.layout import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -26,7 +26,7 @@ RELEASE = "EVIDENT_TEST_RELEASE"
 HOOK = f"""
 import os, time
 if os.environ.get("{RELEASE}"):
-    import evident.workflow.evidence as ev
+    import evident.workflow.core.evidence as ev
     _exit = ev.Stage.__exit__
 
     def _held(self, *exc):
@@ -39,7 +39,7 @@ if os.environ.get("{RELEASE}"):
     ev.Stage.__exit__ = _held
 """
 # a process that holds a lock as a run does (locks.hold) until its stdin closes
-HOLDER = ("import sys\nfrom pathlib import Path\nfrom evident.workflow import locks\n"
+HOLDER = ("import sys\nfrom pathlib import Path\nfrom evident.workflow.core import locks\n"
           "locks.hold(Path(sys.argv[1]), locks.describe('tiny', 'X', ['c.yaml']))\n"
           "print('held', flush=True)\nsys.stdin.read()\n")
 SINCE = r"since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \w+"
@@ -81,7 +81,7 @@ def test_a_killed_run_s_lock_file_goes_with_the_next_run(tmp_path, monkeypatch):
     p.kill()
     p.wait(10)
     assert lock_files(tmp_path) == [".evident/locks/other", ".evident/locks/other/Y.lock"]  # SIGKILL: no exit hook
-    alone = "from evident.workflow import locks\nprint(locks.share_workdir()[1])\n"
+    alone = "from evident.workflow.core import locks\nprint(locks.share_workdir()[1])\n"
     r = subprocess.run([sys.executable, "-c", alone], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.stdout == "0\n", r.stderr  # alone: no Snakemake lock to remove, the killed run's lock file taken and gone
     assert lock_files(tmp_path) == []
@@ -153,7 +153,7 @@ def test_a_second_campaign_is_told_which_run_is_live_and_not_to_unlock(tmp_path)
     assert lock_files(wd) == [] and not list((wd / ".snakemake/locks").glob("*"))
 
 
-# --- the flock primitives (workflow/locks.py; used by gpus, tracking and archive) ---------------------------------
+# --- the flock primitives (workflow/core/locks.py; used by gpus, tracking and archive) --------------------------------
 
 def test_the_flock_primitives_see_each_other(tmp_path):
     """`held`/`holder` see an exclusive holder and make no file; `try_flock` never waits; `flocked` waits its turn.

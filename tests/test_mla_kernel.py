@@ -203,7 +203,7 @@ class _PartialsSpy:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_spreads_a_rows_live_positions_over_every_chunk(dtype, core, gen, monkeypatch):
-    """A row's live positions are shared out over the chunks whatever the cache's length (engine/DECODE.md
+    """A row's live positions are shared out over the chunks whatever the cache's length (docs/decode-log.md
     v30): rows of 16 and 41 live positions in 4-position blocks fill all 4 chunks, a row of one
     position fills chunk 0 alone. Chunks cut from the cache's length would leave the short rows in chunk 0."""
     monkeypatch.setattr(mla, "BLOCK_L", 4)

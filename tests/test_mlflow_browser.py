@@ -20,11 +20,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from test_tracking import HEADLINE_TAGS, build_headline, seal
 from test_tracking_server import start_ui, stop_ui
+
 from evident.workflow import tracking
-from evident.workflow.evidence import write_text
+from evident.workflow.core.evidence import write_text
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 pytestmark = [

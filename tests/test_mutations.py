@@ -13,13 +13,13 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import mutants
+import pytest
 import tinyev
 import yaml
-from evident.workflow.evidence import read_json
-from evident.workflow.verdicts import DEFECTS
+
+from evident.workflow.core.evidence import read_json
+from evident.workflow.core.verdicts import DEFECTS
 
 pytestmark = pytest.mark.slow
 DTYPES = ("float32", "bfloat16")

@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
-from evident.workflow import summary
-from evident.workflow.benchstats import BenchError
-from evident.workflow.evidence import read_json, write_manifest
+from evident.workflow.archive import summary
+from evident.workflow.bench.benchstats import BenchError
+from evident.workflow.core.evidence import read_json, write_manifest
 from evident.workflow.stages import gate
 from evident.workflow.stages import overlap as ov
 

@@ -1,4 +1,4 @@
-"""The static HTML archive (workflow/pages.py) on directories built by hand.
+"""The static HTML archive (workflow/archive/pages.py) on directories built by hand.
 
 The same checks on what the pipeline builds, and the screenshot the lead looks at, are in
 tests/test_archive.py (slow).
@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-import pytest
-
 import handbuilt
 import headless
-from evident.workflow import archive, pages, summary
-from evident.workflow.evidence import Stage, write_manifest, write_text
+import pytest
+
+from evident.workflow.archive import archive, pages, summary
+from evident.workflow.core.evidence import Stage, write_manifest, write_text
 
 HOSTILE = "\n### Notes\n\n- case `<script>alert(1)</script>` & \"quotes\" <b>bold?</b>\n"
 

@@ -16,16 +16,16 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-import yaml
-
 import cluster
+import pytest
 import tinyev
+import yaml
 from test_summary import assert_pasteable, gate_rows
 
-from evident.workflow.evidence import MANIFEST, config_hash, sha256_file
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import config_hash, sha256_file
+from evident.workflow.core.layout import DETAILS, MANIFEST, SUMMARY
 from evident.workflow.stages import overlap as ov
-from evident.workflow.summary import DETAILS, SUMMARY
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -157,6 +157,18 @@ def test_default_campaign_writes_sealed_evidence(default_run):
 
 
 @cluster.shares_default_run
+def test_every_file_of_the_default_run_is_in_the_contract(default_run):
+    """docs/evidence.md's table (layout.FILES) names every file the default campaign leaves: a `<part>` is one path
+    segment's worth, `[-distinct]` is optional."""
+    ev = only_evidence_dir(default_run[0], "tiny")
+    pattern = re.compile("|".join(re.sub(r"<[^>]+>", "[^/]+", re.escape(p).replace(r"\[\-distinct\]", "(?:-distinct)?"))
+                                  for p, _, _ in layout.FILES))
+    files = [p.relative_to(ev).as_posix() for p in ev.rglob("*") if p.is_file()]
+    assert len(files) > 80
+    assert [f for f in files if not pattern.fullmatch(f)] == []
+
+
+@cluster.shares_default_run
 def test_evidence_has_no_host_user_or_home(default_run):
     wd, _, _ = default_run
     ev = only_evidence_dir(wd, "tiny")
@@ -225,7 +237,7 @@ def test_unknown_key_and_bad_value_fail_naming_the_key(tmp_path):
 
 
 def test_corrupt_local_checkpoint_fails_naming_the_file(tmp_path):
-    from evident.workflow.checkpoints import write_synthetic
+    from evident.workflow.models.checkpoints import write_synthetic
 
     cfg = tinyev.synthetic()
     ckpt = write_synthetic(tmp_path / "ckpt", cfg["config"], 0, cfg["init_std"], "float32")
@@ -289,11 +301,12 @@ def test_parity_covers_the_triton_decode_path(tmp_path):
 
 
 def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(tmp_path):
-    """`engines:` (README "Engine targets"): a running OpenAI-compatible server's URL (the engine's own, on a
+    """`engines:` (docs/engine-targets.md): a running OpenAI-compatible server's URL (the engine's own, on a
     checkpoint written from the same spec: the same bytes) and a command, beside the builtin engine, in one run:
     each its parity run held to the oracle, the URL a quality target and benched over HTTP too (with the builtin
     engine's server, beside the in-process bench), sealed with each verdict and level."""
-    from evident.workflow import checkpoints, targets
+    from evident.workflow.models import checkpoints
+    from evident.workflow.plan import targets
 
     spec = tinyev.synthetic()
     ckpt = tmp_path / "served-ckpt"

@@ -1,4 +1,4 @@
-"""workflow/plots.py: the evidence's PNGs are reproducible (no "Software" chunk naming matplotlib, the same figure
+"""workflow/core/plots.py: the evidence's PNGs are reproducible (no "Software" chunk naming matplotlib, the same figure
 gives the same bytes at the dpi asked) and written atomically."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 import zlib
 
-from evident.workflow.plots import figure, save_png
+from evident.workflow.core.plots import figure, save_png
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

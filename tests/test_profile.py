@@ -1,5 +1,5 @@
 """The profile capture stage (workflow/stages/profile.py): tool choice and the ncu/nsys CSV parsers
-(workflow/profilers.py), the floor (workflow/floor.py), and the CPU run through torch.profiler producing its kernel
+(workflow/bench/profilers.py), the floor (workflow/bench/floor.py), and the CPU run through torch.profiler producing its kernel
 table, plot, trace and SUMMARY section."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import gzip
 import json
 
 import pytest
+import tinyev
 import torch
 
-import tinyev
-from evident.workflow import floor, profilers, summary
-from evident.workflow.evidence import read_json
+from evident.workflow.archive import summary
+from evident.workflow.bench import floor, profilers
+from evident.workflow.core.evidence import read_json
 from evident.workflow.stages import profile
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -138,7 +139,7 @@ def test_floor_counts_the_screen_where_the_captured_steps_picked_through_it(tmp_
     (engine.graph_decode.screened): the floor counts the screen's bytes in place of the projection's weight. On the
     GPU where there is one (the kernels run through Triton's interpreter only on a machine without one: conftest sets
     it there, and the stage refuses a CPU run of the graph path without it)."""
-    from evident.workflow.checkpoints import DTYPES
+    from evident.workflow.models.checkpoints import DTYPES
 
     # torch.profiler on the GPU too: the floor is under test, not the tools (ncu, nsys: test_tool_choice)
     device, tool = ("cuda", "torch") if torch.cuda.is_available() else ("cpu", "auto")

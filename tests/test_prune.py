@@ -1,8 +1,8 @@
-"""`evident prune` (workflow/prune.py, workflow/cli.py) on directories built by hand (tests/handbuilt.py).
+"""`evident prune` (workflow/archive/prune.py, workflow/cli.py) on directories built by hand (tests/handbuilt.py).
 
 Ages are relative to now: a sealed directory's from its manifest's created_utc, an unsealed one's from
 the directory's mtime. A running snakemake is played by a process holding the evidence lock the way
-workflow/locks.py's `hold` does (for workflow/rules/common.smk).
+workflow/core/locks.py's `hold` does (for workflow/rules/common.smk).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+import handbuilt
 import pytest
 
-import handbuilt
-from evident.workflow import archive, cli, prune, tracking
-from evident.workflow.evidence import MANIFEST, write_manifest
+from evident.workflow import cli, tracking
+from evident.workflow.archive import archive, prune
+from evident.workflow.core.evidence import write_manifest
+from evident.workflow.core.layout import MANIFEST
 
 pytestmark = pytest.mark.timeout(120)
 

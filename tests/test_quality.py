@@ -1,4 +1,4 @@
-"""GSM8K-64 (workflow/gsm8k.py, workflow/stages/quality.py): extraction and normalisation, the quality gate,
+"""GSM8K-64 (workflow/parity/gsm8k.py, workflow/stages/quality.py): extraction and normalisation, the quality gate,
 pinned data hashes, and (slow) the official 64 test rows on the tiny model, engine against hf."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 import tinyev
-from evident.workflow import gsm8k, summary
-from evident.workflow.evidence import read_json, sha256_bytes, write_manifest
+
+from evident.workflow.archive import summary
+from evident.workflow.core.evidence import read_json, sha256_bytes, write_manifest
+from evident.workflow.parity import gsm8k
 from evident.workflow.stages import gate as gate_stage
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"

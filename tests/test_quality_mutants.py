@@ -12,19 +12,19 @@ import copy
 import json
 from pathlib import Path
 
+import cluster
+import mutants
 import pytest
 import torch
 import yaml
 
-import cluster
-import mutants
-from evident.workflow import checkpoints
-from evident.workflow.evidence import read_json, write_text
-from evident.workflow.verdicts import NEAR_TIE
+from evident.workflow.core.evidence import read_json, write_text
+from evident.workflow.core.verdicts import NEAR_TIE
+from evident.workflow.models import checkpoints
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, cluster.waits_for_default_run]
 DTYPES = ("float32", "bfloat16")
-# The logic mutant that flips most answers (62 of 64 on the current trainer's weights: README) in both dtypes, whatever
+# The logic mutant that flips most answers (62 of 64 on the current trainer's weights: docs/campaigns.md "Trained checkpoints") in both dtypes, whatever
 # CPU trained the model: it must fail.
 # The others flip a few answers or none, and which depends on the trained weights, which repeat on one machine but
 # not, it seems, across machines (the same seed, code and torch): route_drop_smallest and softmax_scale_x1.01 flipped
@@ -40,7 +40,7 @@ MEASURED = {"float32": mutants.LOGIC, "bfloat16": ("route_drop_smallest", "yarn_
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, dict]:
     """The default run's trained checkpoint and the default campaign, resolved as that run resolved it."""
-    from evident.workflow.campaign import evidence_config, validate_campaign
+    from evident.workflow.plan.campaign import evidence_config, validate_campaign
 
     ckpt = cluster.trained_checkpoint(tmp_path_factory)
     config = yaml.safe_load((mutants.REPO / "config/config.yaml").read_text())
@@ -110,7 +110,8 @@ def test_the_trained_reference_answers_most_held_out_questions(gates, dtype):
 def partings(by: dict, name: str) -> dict[int, float]:
     """{question: the reference's margin where `name`'s completion first parts from transformers'}: transformers'
     log-prob of its own token there less that of `name`'s token, in the campaign's dtype."""
-    from evident.workflow import gsm8k, hf
+    from evident.workflow.models import hf
+    from evident.workflow.parity import gsm8k
 
     rows, q = by["rows"], by["config"]["quality"]["gsm8k"]
     apart = [i for i, r in rows[name].items() if r["completion"] != rows["hf"][i]["completion"]]
@@ -135,8 +136,8 @@ def partings(by: dict, name: str) -> dict[int, float]:
 def test_the_unmutated_engine_passes_and_parts_from_transformers_at_near_ties_only(gates, dtype):
     """The engine must pass, and where its completion parts from transformers' (its kernels sum in fp32, in another
     order than transformers' matmuls) transformers' own margin there must be under the dtype's near-tie margin
-    (workflow/verdicts.py NEAR_TIE, as parity's). bf16 on one machine's trained weights: 2 of 64 part, at the
-    first token, at margins 0.0 and 0.06 (README); the yarn mutant's first parting is decisive (the test below)."""
+    (workflow/core/verdicts.py NEAR_TIE, as parity's). bf16 on one machine's trained weights: 2 of 64 part, at the
+    first token, at margins 0.0 and 0.06 (docs/campaigns.md "Trained checkpoints"); the yarn mutant's first parting is decisive (the test below)."""
     g = gates[dtype]["engine"]
     assert g["verdict"] == "pass" and g["rows"] == 64 and not g["flips"], g
     apart = partings(gates[dtype], "engine")

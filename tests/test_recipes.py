@@ -1,4 +1,4 @@
-"""Recipes (workflow/recipes.py) and the engine-target points they brought: an entry expanded into what the stages
+"""Recipes (workflow/plan/recipes.py) and the engine-target points they brought: an entry expanded into what the stages
 run, refused before any work where its engine is missing; templates whose JSON braces are the command's own and whose
 `env` reaches the process; a per-entry readiness limit; a probe's 5xx that falls back to text level; entries kept out
 of parity; the served model's id kept out of evidence; a lowered KV cache named as such; variant pairs. The real
@@ -14,14 +14,14 @@ import threading
 from pathlib import Path
 
 import pytest
-import yaml
-
 import tinyev
+import yaml
 from campaigns import SCHEMA, overridden, rejected
 from test_serve_bench import Fake
-from evident.workflow import recipes, targets
-from evident.workflow.campaign import evidence_config, validate_campaign
-from evident.workflow.evidence import read_json
+
+from evident.workflow.core.evidence import read_json
+from evident.workflow.plan import recipes, targets
+from evident.workflow.plan.campaign import evidence_config, validate_campaign
 from evident.workflow.stages import compare, parity_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from campaigns import SCHEMA, rejected
-from evident.workflow.campaign import typed, validate_campaign
+
+from evident.workflow.plan.campaign import typed, validate_campaign
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TINY = yaml.safe_load((REPO / "config/config.yaml").read_text())
 CASES = [{"name": "hello", "prompt": "Hello, evident!"}]
-SEE = "See config/schema.yaml and the README's key table."
+SEE = "See config/schema.yaml and docs/campaigns.md."
 FOLDER = "give an existing Hugging Face-format checkpoint folder (config.json, its tokenizer and *.safetensors weights)."
 
 

@@ -1,11 +1,11 @@
-"""Run identity (workflow/runs.py): one enum, one name, wildcards that parse every name back."""
+"""Run identity (workflow/plan/runs.py): one enum, one name, wildcards that parse every name back."""
 
 import re
 
 import pytest
 
 from evident.engine import parallel
-from evident.workflow import runs
+from evident.workflow.plan import runs
 
 
 def test_the_engine_transports_are_the_schemas_expert_parallel_backends():

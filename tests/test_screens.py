@@ -1,4 +1,4 @@
-"""Kernel A/B screens from the user's code (`screens:`, workflow/screens.py, the contract in kernels/overlap.py): the
+"""Kernel A/B screens from the user's code (`screens:`, workflow/plan/screens.py, the contract in kernels/overlap.py): the
 campaign check before any work, the contract checked on the factory's return, the same bitwise check and outputs as
 the built-in screen, the gate failing on any screen's mismatch, the index and SUMMARY section, the evidence id
 following the user's code; and, through Snakemake, a campaign whose own screen is broken failing after sealing."""
@@ -12,17 +12,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import tinyev
 import torch
 import yaml
-
-import tinyev
 from campaigns import rejected
-from evident.kernels.overlap import Screen, ScreenError, checked
 from test_overlap import C4, seal_and_gate
 from test_overlap import write_config as overlap_config
-from evident.workflow import archive, screens, summary, tracking
-from evident.workflow.campaign import evidence_config, validate_campaign
-from evident.workflow.evidence import read_json
+
+from evident.kernels.overlap import Screen, ScreenError, checked
+from evident.workflow import tracking
+from evident.workflow.archive import archive, summary
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_json
+from evident.workflow.plan import screens
+from evident.workflow.plan.campaign import evidence_config, validate_campaign
 from evident.workflow.stages import overlap as ov
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,7 +185,7 @@ def test_own_screens_get_the_built_ins_check_and_outputs(correct_run):
 
 def test_the_index_record_and_gate_cover_every_screen(correct_run, tmp_path):
     ev = correct_run
-    index = read_json(ev / screens.INDEX)
+    index = read_json(ev / layout.SCREENS)
     assert [(e["name"], e["factory"], e["skipped"]) for e in index["screens"]] == [
         ("c4", "evident.kernels.overlap:c4_screen", ov.SKIP_REASON), ("doubling", GOOD["module"], None),
         ("plain", "tests.userscreens:plain", None)]
@@ -196,7 +199,7 @@ def test_the_index_record_and_gate_cover_every_screen(correct_run, tmp_path):
     assert rec["params"]["screens"] == "doubling,plain"
     assert {"doubling.bitwise_equal": 3, "plain.bitwise_inputs": 3} .items() <= rec["metrics"].items()
     assert "bitwise_equal" not in rec["metrics"]  # the built-in did not run
-    assert {"overlap/doubling/screen.json", "plots/overlap-plain.png", screens.INDEX} <= set(rec["files"])
+    assert {"overlap/doubling/screen.json", "plots/overlap-plain.png", layout.SCREENS} <= set(rec["files"])
     assert seal_and_gate(ev, tmp_path / "gate.json") == index["verdict"]
     assert archive.load(ev).gates["overlap"] == index["verdict"]  # read from the index, not the built-in's file
 
@@ -226,7 +229,7 @@ def test_a_perturbed_b_in_any_screen_fails_the_gate(tmp_path):
     s = read_json(ev / "overlap/broken/screen.json")
     assert s["verdict"] == "bitwise_mismatch" and s["bitwise"]["per_output_equal"] == {"doubled": 0, "row_sum": 2}
     assert s["bitwise"]["first_mismatch"]["outputs"]["doubled"]["elements_differ"] == 1
-    index = read_json(ev / screens.INDEX)
+    index = read_json(ev / layout.SCREENS)
     assert [e["verdict"] == "bitwise_mismatch" for e in index["screens"]] == [False, False, True]
     assert index["verdict"] == "bitwise_mismatch"
     assert index["reason"] == "`broken` bitwise_mismatch: 2 of 2 input sets gave outputs of A and B that differ"

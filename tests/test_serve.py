@@ -16,16 +16,16 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import tinyev
 import torch
 import yaml
+from tokenizers import Tokenizer
 
-import tinyev
 from evident.engine import serve
 from evident.engine.checkpoint import load_model
 from evident.engine.generate import Rows, generate
 from evident.engine.serve import held_back, stop_index
-from tokenizers import Tokenizer
-from evident.workflow import checkpoints
+from evident.workflow.models import checkpoints
 
 openai = pytest.importorskip("openai")
 PROMPT = "Question: what is 12 + 30?\nAnswer:"
@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     spec = cfg["checkpoint"]
     ckpt = tmp_path_factory.mktemp("serve") / "ckpt"
     checkpoints.write_synthetic(ckpt, spec["config"], spec["seed"], spec["init_std"], "float32")
-    from evident.workflow.targets import free_port
+    from evident.workflow.plan.targets import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "evident.engine.serve", "--checkpoint", str(ckpt), "--port", str(port)],
@@ -344,7 +344,8 @@ def test_top_logprobs_keep_k_entries_across_a_multi_byte_character(client, engin
 def live(eng):
     """The app over ``eng`` on a free port, in this process (so that its engine can be instrumented)."""
     import uvicorn
-    from evident.workflow.targets import free_port
+
+    from evident.workflow.plan.targets import free_port
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(serve.create_app(eng), host="127.0.0.1", port=port, log_level="warning"))

@@ -15,18 +15,20 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import handbuilt
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
-
-import handbuilt
 import tinyev
+import yaml
 from campaigns import overridden, rejected
-from evident.workflow import archive, benchstats, diff, environment, targets, trend
-from evident.workflow.benchstats import BenchError, request_metrics, side_by_side, summarize_http
-from evident.workflow.evidence import read_json, stage_records, write_json, write_text
-from evident.workflow.runs import DISTINCT, SAME
+
+from evident.workflow.archive import archive, diff, trend
+from evident.workflow.bench import benchstats
+from evident.workflow.bench.benchstats import BenchError, request_metrics, side_by_side, summarize_http
+from evident.workflow.core.evidence import read_json, stage_records, write_json, write_text
+from evident.workflow.plan import environment, targets
+from evident.workflow.plan.runs import DISTINCT, SAME
 from evident.workflow.stages import bench_report, serve_bench
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +183,7 @@ def test_bench_report_sets_the_engines_http_cells_beside_its_in_process_ones(tmp
     assert pd.isna(http[("remote", 1)]["inprocess_cell"])  # only the builtin engine's cells have one
     record = read_json(ev / "stages/bench_report.json")
     assert record["metrics"]["http-engine-c1.http_over_inprocess.tpot_p50_ratio"] == 2.0
-    from evident.workflow.summary import http_section
+    from evident.workflow.archive.summary import http_section
 
     text = re.sub(" +", " ", "\n".join(http_section(ev)))
     assert "### Benchmark over HTTP" in text and "| `remote` | same | 1 | 20.00 / 20.00 / 20.00 | 5.00 / 5.00 / 5.00 |" in text
@@ -410,7 +412,7 @@ def test_distinct_prompts_need_one_a_request_in_flight():
 
 
 def test_the_http_bench_brings_the_in_process_bench_and_reaches_its_urls():
-    from evident.workflow.campaign import resolve_stages
+    from evident.workflow.plan.campaign import resolve_stages
 
     cfg = {"stages": ["serve_bench"]}
     resolve_stages(cfg)

@@ -1,4 +1,4 @@
-"""SUMMARY.md pastes into a pull request as it is (workflow/summary.py): every gate's verdict first, a gate not run
+"""SUMMARY.md pastes into a pull request as it is (workflow/archive/summary.py): every gate's verdict first, a gate not run
 never a pass, no relative link or image; DETAILS.md beside it holds the full tables and the plots, and a skipped
 stage embeds no image in either. The same checks on the default campaign's files: tests/test_pipeline.py."""
 
@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 import handbuilt
+import pytest
 import tinyev
-from evident.workflow import benchstats, gates, summary
-from evident.workflow.evidence import write_json, write_text
+
+from evident.workflow.archive import summary
+from evident.workflow.bench import benchstats
+from evident.workflow.core import gates
+from evident.workflow.core.evidence import write_json, write_text
 from evident.workflow.stages import overlap as ov
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]*)[^)]*\)")  # a markdown link or image, its target

@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from evident.workflow import gsm8k, summary, targets
-from evident.workflow.evidence import MANIFEST, Stage, read_json, write_json, write_manifest
-from evident.workflow.stages import gate, seal, serve_bench
 from test_serve_bench import run_stage, shared  # noqa: F401 - the tiny checkpoint and evidence dir, a fixture
+
+from evident.workflow.archive import summary
+from evident.workflow.core.evidence import Stage, read_json, write_json, write_manifest
+from evident.workflow.core.layout import MANIFEST
+from evident.workflow.parity import gsm8k
+from evident.workflow.plan import targets
+from evident.workflow.stages import gate, seal, serve_bench
 
 # --- A. the gate record, passing or failing ---------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Engine targets under the parity gate (workflow/targets.py, workflow/stages/parity_target.py, compare): the builtin
+"""Engine targets under the parity gate (workflow/plan/targets.py, workflow/stages/parity_target.py, compare): the builtin
 engine through its own server (token level, teacher-forced through echo), a `command` target (tests/command_engine.py),
 `transformers serve` (a server nobody here wrote: text level), each correct and, where it can be, with a known engine
 bug (tests/mutants.py); a malformed trace, text-level divergences and bad `engines:` entries refused before any work.
@@ -13,16 +13,16 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-import yaml
-
 import mutants
+import pytest
 import tinyev
+import yaml
 from campaigns import overridden, rejected
-from evident.workflow import targets
-from evident.workflow.evidence import read_json
+
+from evident.workflow.core.evidence import read_json
+from evident.workflow.core.verdicts import DEFECTS
+from evident.workflow.plan import targets
 from evident.workflow.stages import compare, parity_target
-from evident.workflow.verdicts import DEFECTS
 
 REPO = Path(__file__).resolve().parents[1]
 PARITY = {**tinyev.defaults(yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["parity"]),
@@ -174,8 +174,8 @@ def test_a_trace_that_does_not_answer_its_request_is_refused():
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                     reason="transformers serve places the model with accelerate (the `test` extra)")
 def test_transformers_serve_is_compared_at_text_level(shared, monkeypatch):
-    """Through its recipe (workflow/recipes.py `transformers`), as a campaign's one line runs it."""
-    from evident.workflow import recipes
+    """Through its recipe (workflow/plan/recipes.py `transformers`), as a campaign's one line runs it."""
+    from evident.workflow.plan import recipes
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = {"dtype": "float32", "engines": [{"name": "transformers-serve", "recipe": "transformers"}]}
@@ -191,8 +191,8 @@ def test_transformers_serve_is_compared_at_text_level(shared, monkeypatch):
 
 def text_run(oracle: dict, texts: list[str]) -> dict:
     """A text-level target's run of the oracle's first case, rows `texts`, as the stage records it."""
-    from evident.workflow.evidence import text_sha256
-    from evident.workflow.traces import first_row_mismatch
+    from evident.workflow.core.evidence import text_sha256
+    from evident.workflow.parity.traces import first_row_mismatch
 
     case = oracle["cases"][0]
     m = first_row_mismatch(texts)
@@ -313,7 +313,7 @@ def test_quality_takes_openai_targets_by_name_only():
 
 
 def test_the_evidence_config_records_no_url_and_no_absolute_path():
-    from evident.workflow.campaign import evidence_config
+    from evident.workflow.plan.campaign import evidence_config
 
     cfg = with_engines({"name": "remote", "kind": "openai", "url": "http://user:secret@10.0.0.1:8000/v1"},
                        {"name": "mine", "kind": "command", "command": "/home/someone/bin/eng --in {request} {out}"})
@@ -323,7 +323,7 @@ def test_the_evidence_config_records_no_url_and_no_absolute_path():
 
 
 def test_summary_shows_each_target_with_its_verdict_and_level(served, shared):
-    from evident.workflow.summary import parity_section
+    from evident.workflow.archive.summary import parity_section
 
     oracle = copy.deepcopy(shared[3])
     oracle["cases"] = oracle["cases"][:1]
@@ -378,7 +378,7 @@ def socket_on(port: int):
 def test_quality_runs_an_engines_entry_by_name(shared, tmp_path):
     """The quality stage takes an `engines:` entry by its name (here a serve target, started and stopped as the
     stage's own engine server is): on random weights the engine served twice must give identical completions."""
-    from evident.workflow.evidence import write_text
+    from evident.workflow.core.evidence import write_text
     from evident.workflow.stages import checkpoint as record_stage
     from evident.workflow.stages import quality
 

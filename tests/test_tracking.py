@@ -12,12 +12,12 @@ import shutil
 import socket
 from pathlib import Path
 
+import handbuilt
 import pytest
 import yaml
 
-import handbuilt
 from evident.workflow import tracking
-from evident.workflow.evidence import Stage, read_json, write_json, write_manifest, write_text
+from evident.workflow.core.evidence import Stage, read_json, write_json, write_manifest, write_text
 
 EID = "abc1234-c0123abcd-r1"
 STAGES = ("compare", "oracle")  # stage records sort by name
@@ -307,7 +307,7 @@ def test_each_markdown_file_with_plots_gets_a_view_mlflow_renders(headline_ev, u
     """MLflow's markdown view draws only http(s) images: `<name>-with-plots.md` is the file with each plot link as
     the parent's own artifact on the server (tests/test_mlflow_browser.py loads it in Chromium) and the rest word
     for word; DETAILS.md is logged and viewed the same way; a file without a plot link gets no view."""
-    from evident.workflow.evidence import DETAILS
+    from evident.workflow.core.layout import DETAILS
 
     write_text(headline_ev / DETAILS, "## Details\n\n![overlap A/B](plots/overlap.png)\n")
     write_text(headline_ev / "SUMMARY.md", "## Evidence\n\nno image here\n")

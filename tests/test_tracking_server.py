@@ -20,12 +20,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_tracking import CAMPAIGN_START, HEADLINE_ARTIFACTS, HEADLINE_METRICS, HEADLINE_TAGS, build_headline, seal
 
-from test_tracking import (CAMPAIGN_START, HEADLINE_ARTIFACTS, HEADLINE_METRICS, HEADLINE_TAGS, build_headline,
-                           seal)
-from evident.workflow import tracking, ui
-from evident.workflow.evidence import read_json
-from evident.workflow.targets import free_port  # below the OS's ephemeral range, each port once
+from evident.workflow import tracking
+from evident.workflow.archive import ui
+from evident.workflow.core.evidence import read_json
+from evident.workflow.plan.targets import free_port  # below the OS's ephemeral range, each port once
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
 pytestmark = [

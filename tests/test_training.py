@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-from evident.workflow import arithmetic, checkpoints, gsm8k, training
-from evident.workflow.campaign import model_config
+from evident.workflow.models import arithmetic, checkpoints, training
+from evident.workflow.parity import gsm8k
+from evident.workflow.plan.campaign import model_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = model_config("tiny")
@@ -174,7 +175,7 @@ def _campaign(**checkpoint) -> dict:
 def _problems(cfg: dict) -> str:
     from snakemake.exceptions import WorkflowError
 
-    from evident.workflow.campaign import validate_campaign
+    from evident.workflow.plan.campaign import validate_campaign
 
     try:
         validate_campaign(cfg, str(REPO / "config/schema.yaml"))
@@ -203,7 +204,7 @@ def test_rows_longer_than_the_context_are_refused_before_work():
 def test_another_trainer_version_is_another_cache_entry(monkeypatch):
     """A trainer that trains other weights from the same spec (training.VERSION) never reuses the old cache entry;
     a synthetic checkpoint's entry does not depend on it."""
-    from evident.workflow import estimate
+    from evident.workflow.plan import estimate
 
     trained = {"checkpoint": {"source": "trained", "seed": 0, "init_std": 0.02, "train": SHORT, "config": TINY},
                "dtype": "float32", "device": "cpu"}

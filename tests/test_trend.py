@@ -1,4 +1,4 @@
-"""`evident trend` (workflow/trend.py) on directories built by hand: the CSV's rows and values, the regression
+"""`evident trend` (workflow/archive/trend.py) on directories built by hand: the CSV's rows and values, the regression
 flag exactly where a cell got slower beyond the noise, gate verdicts per directory, the PNG, the filters, the
 errors. The trends page of the HTML archive is checked in tests/test_pages.py."""
 
@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 
+import handbuilt as hb
 import pandas as pd
 import pytest
 
-import handbuilt as hb
-from evident.workflow import benchstats, terminal, trend
-from evident.workflow.evidence import Stage, write_manifest
+from evident.workflow.archive import trend
+from evident.workflow.bench import benchstats
+from evident.workflow.core import terminal
+from evident.workflow.core.evidence import Stage, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NOISE = 0.01  # per-repeat medians tpot, 1.01 tpot, 1.02 tpot: spread 0.0198, within the noise rule's 0.05

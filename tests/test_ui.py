@@ -1,4 +1,4 @@
-"""`evident ui` (workflow/ui.py): the MLflow UI on the working directory's store, on loopback, installed on
+"""`evident ui` (workflow/archive/ui.py): the MLflow UI on the working directory's store, on loopback, installed on
 first use, with the static archive linking to it while it runs. The command itself serves the REST API test of
 tests/test_tracking_server.py, which also stops it by SIGTERM, and the browser's, tests/test_mlflow_browser.py."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from evident.workflow import ui
+from evident.workflow.archive import ui
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,12 +20,16 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
 
+from campaigns import overridden, rejected  # noqa: E402
+
 from evident.engine.checkpoint import load_model  # noqa: E402
 from evident.engine.config import V4Args, load_args  # noqa: E402
-from evident.workflow import checkpoints, estimate, floor, hf, replay  # noqa: E402
-from evident.workflow.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
+from evident.workflow.bench import floor, replay  # noqa: E402
+from evident.workflow.models import checkpoints, hf
+from evident.workflow.models.families import deepseek_v4
+from evident.workflow.plan import estimate
+from evident.workflow.plan.campaign import check_inputs, model_config, required_fields, validate_campaign  # noqa: E402
 from evident.workflow.stages import kernel_audit, overlap  # noqa: E402
-from campaigns import overridden, rejected  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -302,7 +306,7 @@ def test_the_v4_floor_counts_what_a_step_must_read(ckpt):
 
 
 def test_the_replay_reads_hash_layers_from_tid2eid_and_transformers_routers_agree(ckpt):
-    """The floor's experts on DeepSeek-V4 (workflow/replay.py): a hash layer chooses its table's row of the step's
+    """The floor's experts on DeepSeek-V4 (workflow/bench/replay.py): a hash layer chooses its table's row of the step's
     input token; every layer chooses as transformers' routers do on the same tokens."""
     model = load_model(ckpt)
     rows, tokens = [[5, 9, 2, 40, 17, 3], [7, 3]], [[3, 8, 1, 4, 6], [2, 2, 9, 6, 5]]
@@ -324,17 +328,17 @@ def test_the_kernel_audit_takes_v4_shapes(ckpt):
     h = V4_TINY["hidden_size"]
     assert ks == sorted({h, V4_TINY["q_lora_rank"], 4 * 32 // 2, 2 * 16, V4_TINY["moe_intermediate_size"], 4 * h})
     assert vocab == 512
-    assert kernel_audit.v4_shapes(ckpt)[2] == (h, 32, 8, 2)
+    assert kernel_audit.shapes(ckpt)["experts"] == (h, 32, 8, 2)
     missing = kernel_audit.not_covered(ckpt)
-    assert set(kernel_audit.V4_NOT_COVERED) <= set(missing) and any("mla" in k for k in missing)
+    assert set(deepseek_v4.NOT_COVERED) <= set(missing) and any("mla" in k for k in missing)
     import inspect
 
     from evident.kernels.audit import COVERED, audit
 
     takes = inspect.signature(audit).parameters
     want = {"limit": 10.0, "hc": (4, 20)}
-    assert kernel_audit.v4_options(ckpt) == {k: v for k, v in want.items() if k in takes}
-    assert (kernel_audit.HC_WEIGHTS in missing) == ("hc_weights" not in COVERED)
+    assert kernel_audit.shapes(ckpt)["options"] == {k: v for k, v in want.items() if k in takes}
+    assert (deepseek_v4.HC_WEIGHTS in missing) == ("hc_weights" not in COVERED)
 
 
 def test_the_overlap_screen_takes_the_v4_models_c4_shapes():
@@ -368,7 +372,7 @@ def test_the_flash_model_is_deepseek_v4_flash_s_width():
 def test_a_graph_session_reloads_into_another_dtype(ckpt):
     """parity's teacher-forced runs reload the engine in float32; the V4 graph path must free its own (it had no
     stacks to clear and failed on the H200 there)."""
-    from evident.workflow.session import Session, load_engine
+    from evident.workflow.models.session import Session, load_engine
 
     s = Session({}, "single", "cpu", load_engine(ckpt, "cpu", "bfloat16", None, "graph"), None, [], None, "graph", ckpt)
     with torch.inference_mode():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from evident.workflow import checkpoints
-from evident.workflow.evidence import write_text
+from evident.workflow.core.evidence import write_text
+from evident.workflow.models import checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def defaults(schema: dict) -> dict:
 
 def synthetic() -> dict:
     """The default campaign's model as a random-weight synthetic checkpoint spec (init_std 0.08: decisive traces)."""
-    from evident.workflow.campaign import model_config
+    from evident.workflow.plan.campaign import model_config
 
     return {"source": "synthetic", "seed": 0, "init_std": 0.08, "config": model_config("tiny")}
 

@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evident.workflow import checkpoints, gsm8k, logprobs  # noqa: E402
-from evident.workflow.evidence import read_json  # noqa: E402
+from evident.workflow.core.evidence import read_json  # noqa: E402
+from evident.workflow.models import checkpoints
+from evident.workflow.parity import gsm8k, logprobs  # noqa: E402
 
 
 def paths(tok, n: int) -> list[tuple[list[int], int]]:

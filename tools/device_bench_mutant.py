@@ -21,9 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from evident.workflow.estimate import checkpoint_dir  # noqa: E402
-from evident.workflow.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
 
+from evident.workflow.core import layout  # noqa: E402
+from evident.workflow.core.evidence import DIR_MODE, FILE_MODE, read_config, read_json  # noqa: E402
+from evident.workflow.plan.estimate import checkpoint_dir  # noqa: E402
 
 RUN = mutants.GUARD + """
 from evident.workflow.stages import bench
@@ -40,11 +41,11 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: the campaign's (its cache directory)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-mutant"))
     a = ap.parse_args()
-    cfg = read_config(a.evidence / "config.yaml")
+    cfg = read_config(a.evidence / layout.CONFIG)
     ckpt = a.checkpoint or REPO / checkpoint_dir(cfg)
     shutil.rmtree(a.work, ignore_errors=True)
     ev = a.work / "evidence"
-    shutil.copytree(a.evidence, ev, ignore=shutil.ignore_patterns("bench", "bench-*.json", "SUMMARY.md"))
+    shutil.copytree(a.evidence, ev, ignore=shutil.ignore_patterns(layout.BENCH, "bench-*.json", layout.SUMMARY))
     for p in [ev, *ev.rglob("*")]:  # writable again (files fetched from the lent machine arrive read-only)
         os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE)
     src = mutants.scratch(a.work / "src", a.mutant).resolve()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a campaign on a lent GPU machine (no network, its own python3 with torch/triton/transformers).
-# Snakemake and MLflow travel as wheels in .whl/ (see README "GPU campaigns"); the evidence
+# Snakemake and MLflow travel as wheels in .whl/ (see docs/gpu-and-cluster.md); the evidence
 # directory comes back as one archive in $OUT.
 #   usage: EVIDENT_GIT_COMMIT=<sha> tools/device_campaign.sh config/campaigns/X.yaml [seconds] [snakemake args...]
 # (e.g. --config 'stages=[oracle,parity,bench]': the evidence records the config the run had)

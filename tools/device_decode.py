@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evident.engine import generate as generate_module, graph_decode  # noqa: E402
+from evident.engine import generate as generate_module  # noqa: E402
+from evident.engine import graph_decode
 from evident.engine.config import ModelArgs  # noqa: E402
 from evident.engine.generate import generate  # noqa: E402
 from evident.engine.model import Transformer  # noqa: E402
@@ -167,12 +168,12 @@ def knockout(model, prompt: list[int]) -> None:
 
 def expert_parallel(a, prompt: list[int]) -> None:
     """Single GPU then EP over the torchrun ranks, both through the graph step; rank 0 prints the table."""
+    import faulthandler
+    import time
+
     import torch.distributed as dist
 
     from evident.engine.parallel import init_from_env
-
-    import faulthandler
-    import time
 
     faulthandler.dump_traceback_later(200, exit=True)  # a hung collective shows where it hangs
     ep = init_from_env("collective", "cuda")
@@ -216,7 +217,7 @@ def patched(patches):
 
 def cache_at_least(positions: int):
     """``generate``'s caches hold at least ``positions`` a row inside the block (engine.serve's hold 2048 under
-    --join step; engine/DECODE.md v29-v30 measured what that cost the attention core); 0: the run's length."""
+    --join step; docs/decode-log.md v29-v30 measured what that cost the attention core); 0: the run's length."""
     make = generate_module._cache
 
     def at_least(model, rows: int, max_len: int):

@@ -29,10 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from evident.workflow import campaign, checkpoints, logprobs  # noqa: E402
-from evident.workflow.evidence import read_json, write_json, write_text  # noqa: E402
-from evident.workflow import session  # noqa: E402
-from evident.workflow.runs import label  # noqa: E402
+
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_json, write_json, write_text  # noqa: E402
+from evident.workflow.models import (
+    checkpoints,
+    session,  # noqa: E402
+)
+from evident.workflow.parity import logprobs  # noqa: E402
+from evident.workflow.plan import campaign
+from evident.workflow.plan.runs import label  # noqa: E402
 from evident.workflow.stages import checkpoint, compare, oracle, parity  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: a dry run of this script on a tiny campaign
@@ -76,7 +82,7 @@ def diagnose(ckpt: Path, ev: Path, dtype: str) -> list[str]:
     from evident.engine.model import LatentCache
 
     model = load_model(ckpt, device=DEVICE, dtype=checkpoints.DTYPES[dtype])
-    o, lines = read_json(ev / "oracle/hf.json"), []
+    o, lines = read_json(ev / layout.ORACLE), []
     matmul = torch.backends.cuda.matmul
     for reduced in (True, False):
         matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = reduced
@@ -103,7 +109,7 @@ def diagnose(ckpt: Path, ev: Path, dtype: str) -> list[str]:
 
 def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list[int]) -> list[str]:
     """Each mutant on the torch path, free-running and forced in every dtype parity runs, then compared."""
-    o = read_json(ev / "oracle/hf.json")
+    o = read_json(ev / layout.ORACLE)
     rows = []
     with session.open_session(ckpt, ev, "single") as s:
         models = {cfg["dtype"]: s.model}
@@ -129,8 +135,8 @@ def run_mutants(ckpt: Path, ev: Path, cfg: dict, names: list[str], batches: list
             result = compare.compare_parity(o, records, cfg)
             mutant = ev.with_name(f"{ev.name}-mutant-{name}")  # the records, for a later look
             for b, record in zip(batches, records):
-                write_json(mutant / f"parity/single-b{b}.json", record)
-            write_json(mutant / "parity/comparison.json", result)
+                write_json(mutant / layout.parity_run(f'single-b{b}'), record)
+            write_json(mutant / layout.COMPARISON, result)
             rows.append(row(name, result, time.time() - t))
             print(rows[-1], flush=True)
     return rows
@@ -154,7 +160,7 @@ def main() -> None:
     ckpt, ev = a.work / "ckpt", a.work / "evidence" / cfg["campaign"]
     shutil.rmtree(a.work / "evidence", ignore_errors=True)
     ev.mkdir(parents=True)
-    write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
+    write_text(ev / layout.CONFIG, yaml.safe_dump(cfg, sort_keys=True))
     t = time.time()
     if not (ckpt / "config.json").is_file():
         spec = cfg["checkpoint"]
@@ -163,7 +169,7 @@ def main() -> None:
     print(f"[device_parity] checkpoint {time.time() - t:.0f} s", flush=True)
     t = time.time()
     if a.oracle_from:  # the campaign's own oracle: same cases, and the checkpoint's files must be the same
-        if read_json(a.oracle_from / "checkpoint.json")["files"] != read_json(ev / "checkpoint.json")["files"]:
+        if read_json(a.oracle_from / layout.CHECKPOINT)["files"] != read_json(ev / layout.CHECKPOINT)["files"]:
             raise SystemExit(f"--oracle-from {a.oracle_from}: its oracle ran on another checkpoint")
         shutil.copytree(a.oracle_from / "oracle", ev / "oracle")
     else:
@@ -176,9 +182,9 @@ def main() -> None:
         t = time.time()
         parity.main(["--checkpoint", str(ckpt), "--evidence", str(ev), "--backend", "single", "--kernels", k,
                      "--batch-sizes", a.batch_sizes])
-        runs += [str(ev / f"parity/{label('single', k, b)}.json") for b in batches]
+        runs += [str(ev / layout.parity_run(label('single', k, b))) for b in batches]
         compare.main(["--evidence", str(ev), *runs])
-        table.append(row("none", read_json(ev / "parity/comparison.json"), time.time() - t))
+        table.append(row("none", read_json(ev / layout.COMPARISON), time.time() - t))
         print(table[-1], flush=True)
         if i == 0 and names:
             table += run_mutants(ckpt, ev, cfg, names, [int(b) for b in a.mutant_batch_sizes.split(",")])

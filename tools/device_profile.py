@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--root", required=True, type=Path)
     a = ap.parse_args()
-    from evident.workflow.evidence import evidence_id, git_state
+    from evident.workflow.core.evidence import evidence_id, git_state
     from evident.workflow.stages import checkpoint, context, profile
 
     cfg = yaml.safe_load(Path(a.campaign).read_text())

@@ -22,8 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import mutants  # noqa: E402
-from evident.workflow import environment  # noqa: E402
-from evident.workflow.evidence import write_text  # noqa: E402
+
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import write_text  # noqa: E402
+from evident.workflow.plan import environment  # noqa: E402
 from evident.workflow.stages import quality  # noqa: E402
 
 
@@ -34,14 +36,14 @@ def main() -> None:
     ap.add_argument("--mutants", required=True, help="comma-separated names of tests/mutants.py")
     args = ap.parse_args()
     names = args.mutants.split(",")
-    cfg = yaml.safe_load((args.evidence / "config.yaml").read_text())
+    cfg = yaml.safe_load((args.evidence / layout.CONFIG).read_text())
     device = environment.resolve_device(cfg["device"])
     cfg["quality"]["targets"] = ["hf"] + [{"name": mutants.endpoint_name(m), "url": "<url>"} for m in names]
     with tempfile.TemporaryDirectory() as tmp:
         ev = Path(tmp) / "ev"
         ev.mkdir()
-        write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
-        shutil.copy(args.evidence / "checkpoint.json", ev / "checkpoint.json")
+        write_text(ev / layout.CONFIG, yaml.safe_dump(cfg, sort_keys=True))
+        shutil.copy(args.evidence / layout.CHECKPOINT, ev / layout.CHECKPOINT)
         with contextlib.ExitStack() as servers:
             urls = {mutants.endpoint_name(m): servers.enter_context(
                 mutants.serve(Path(tmp) / m, m, args.checkpoint, cfg["dtype"], device)) for m in names}

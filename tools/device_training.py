@@ -1,5 +1,5 @@
 """How deterministic training is on this device: a campaign's trained checkpoint spec trained twice for a few steps
-(workflow/training.py), the two written checkpoints compared file by file and tensor by tensor, with the seconds a
+(workflow/models/training.py), the two written checkpoints compared file by file and tensor by tensor, with the seconds a
 step took.
 
     python3 tools/device_training.py config/campaigns/dsv2-lite-trained.yaml [--steps 20]
@@ -23,9 +23,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("EVIDENT_SKIP_DEVICE_CHECK", "1")
 
-from evident.workflow import environment, training  # noqa: E402
-from evident.workflow.campaign import validate_campaign  # noqa: E402
-from evident.workflow.evidence import sha256_file  # noqa: E402
+from evident.workflow.core.evidence import sha256_file  # noqa: E402
+from evident.workflow.models import training  # noqa: E402
+from evident.workflow.plan import environment
+from evident.workflow.plan.campaign import validate_campaign  # noqa: E402
 
 
 def main() -> None:

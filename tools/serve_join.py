@@ -27,11 +27,12 @@ sys.path[:0] = [str(REPO)]
 from tokenizers import Tokenizer  # noqa: E402
 
 from evident.engine.serve import JOINS  # noqa: E402
-from evident.workflow import environment, targets  # noqa: E402
-from evident.workflow.benchstats import summarize_http  # noqa: E402
-from evident.workflow.estimate import checkpoint_dir  # noqa: E402
-from evident.workflow.evidence import read_config  # noqa: E402
-from evident.workflow.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
+from evident.workflow.bench.benchstats import summarize_http  # noqa: E402
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_config  # noqa: E402
+from evident.workflow.plan import environment, targets  # noqa: E402
+from evident.workflow.plan.estimate import checkpoint_dir  # noqa: E402
+from evident.workflow.plan.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
 from evident.workflow.stages.serve_bench import USAGE, round_of  # noqa: E402
 
 
@@ -66,9 +67,9 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=None, help="default: the campaign's (its cache directory)")
     ap.add_argument("--json", type=Path, default=None, help="write every round and summary here")
     a = ap.parse_args()
-    if not (a.evidence / "config.yaml").is_file():
+    if not (a.evidence / layout.CONFIG).is_file():
         ap.error(f"{a.evidence} is not a campaign's evidence directory (no config.yaml): evidence/<campaign>/<id>")
-    cfg = read_config(a.evidence / "config.yaml")
+    cfg = read_config(a.evidence / layout.CONFIG)
     ckpt = a.checkpoint or REPO / checkpoint_dir(cfg)
     contract = DISTINCT if len(cfg["bench"].get("prompts") or []) >= a.concurrency else SAME
     texts = prompt_texts(cfg["bench"], a.concurrency, contract)

@@ -35,11 +35,13 @@ import os
 import sys
 from pathlib import Path
 
-from evident.workflow import archive, diff, pages, prune, trend, tracking, ui
-from evident.workflow.evidence import DETAILS, SUMMARY
-from evident.workflow.gates import GATES, NOT_RUN
-from evident.workflow.runs import label_key
-from evident.workflow.terminal import age, fit, num, pct, ratio, size, wrap
+from evident.workflow import tracking
+from evident.workflow.archive import archive, diff, pages, prune, trend, ui
+from evident.workflow.core import layout
+from evident.workflow.core.gates import GATES, NOT_RUN
+from evident.workflow.core.layout import DETAILS, SUMMARY
+from evident.workflow.core.terminal import age, fit, num, pct, ratio, size, wrap
+from evident.workflow.plan.runs import label_key
 
 MISMATCH, ERROR = 1, 2
 ID_HELP = ("an evidence id, any part of one that matches one directory, CAMPAIGN/ID, a path, or CAMPAIGN@latest[~N] "
@@ -229,7 +231,7 @@ def cmd_verify(args) -> int:
     bad = 0
     for path in _targets(args):
         name = archive.label(path)
-        if not (path / "MANIFEST.json").is_file():
+        if not (path / layout.MANIFEST).is_file():
             if args.all:
                 print(f"skip  {name}: not sealed")
                 continue
@@ -386,7 +388,7 @@ def snakemake_argv(argv: list[str]) -> list[str]:
     Rerunning those jobs is safe here: every stage writes each file atomically (evidence.write_*: a temp file, then
     a rename), so a stopped job leaves whole files or none, and the rerun rewrites them all; and the jobs flagged are
     a dead run's, since a second run of one evidence directory is refused before Snakemake looks
-    (workflow/rules/common.smk, workflow/locks.py)."""
+    (workflow/rules/common.smk, workflow/core/locks.py)."""
     if any(a.partition("=")[0] in INCOMPLETE_FLAGS for a in argv):
         return list(argv)
     return ["--rerun-incomplete", *argv]  # first: no option before it can take it as its value
@@ -394,7 +396,7 @@ def snakemake_argv(argv: list[str]) -> list[str]:
 
 def cmd_run(argv: list[str]) -> int:
     """Snakemake answers a campaign file it cannot decode with a traceback: check each first, then hand over."""
-    from evident.workflow.campaign import CampaignFileError, read_campaign_file
+    from evident.workflow.plan.campaign import CampaignFileError, read_campaign_file
 
     try:
         for path in configfiles(argv):

@@ -11,7 +11,7 @@ without opening a child (all read from the stage records, bench cells and env.js
 - tags: `evident.id`, `evident.kind` = parent, `commit` (the id's 7 characters), `dirty` (`true`/`false`, from
   the id) and `dirty.diff` (the id's 8-character diff hash, when dirty), `device` (the campaign's), `gpu` (the
   distinct names of env.json's `gpus`) and `gpu.count` (CUDA only), `verdict` (the parity verdict, as on every
-  run) and `<gate>.verdict` for every gate whose stage ran (`workflow/gates.py`).
+  run) and `<gate>.verdict` for every gate whose stage ran (`workflow/core/gates.py`).
 - metrics, named `<section>.<subject>.<quantity>` (MLflow names allow letters, digits, `_ - . / : space`;
   any other character of a subject becomes `_`):
   `bench.<backend><path>-b<B>.tpot_p50_ms` and `.tok_s` per bench cell, named as `runs.label` names a run
@@ -23,7 +23,7 @@ without opening a child (all read from the stage records, bench cells and env.js
   `quality.<target>.accuracy` (the quality record); `overlap.<envelope>.b_over_a` (the overlap record's B/A
   median ratio per timing envelope, `warm` and `scrubbed`, of the built-in screen; `overlap.<screen>.<envelope>.
   b_over_a` of each of the campaign's `screens`). Only records with status ok count.
-- tags, per noisy bench cell: `bench.<cell>.noisy` = `true` (the cell's `stats.noisy`, workflow/benchstats.py), so
+- tags, per noisy bench cell: `bench.<cell>.noisy` = `true` (the cell's `stats.noisy`, workflow/bench/benchstats.py), so
   that a TPOT in the runs table is never read without its noise flag.
 - artifacts: SUMMARY.md, DETAILS.md (`evidence.DETAILS`, where the directory has one), config.yaml, env.json,
   checkpoint.json, MANIFEST.json and `plots/*.png` under `plots/`, the path the markdown's image links name.
@@ -61,12 +61,14 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from evident.workflow import gates, runs
-from evident.workflow.evidence import DETAILS, MANIFEST, SUMMARY, flatten, read_config, read_json, stage_records
-from evident.workflow.locks import flocked
+from evident.workflow.core import gates, layout
+from evident.workflow.core.evidence import flatten, read_config, read_json, stage_records
+from evident.workflow.core.layout import DETAILS, MANIFEST, SUMMARY
+from evident.workflow.core.locks import flocked
+from evident.workflow.plan import runs
 
-PARENT_FILES = ("config.yaml", "env.json", "checkpoint.json")  # and the markdown files (`markdown_files`)
-PLOTS = "plots/*.png"  # beside the markdown files, at the relative path their image links name
+PARENT_FILES = (layout.CONFIG, layout.ENV, layout.CHECKPOINT)  # and the markdown files (`markdown_files`)
+PLOTS = f"{layout.PLOTS}/*.png"  # beside the markdown files, at the relative path their image links name
 MAX_PARAM_CHARS = 6000
 BENCH_STAGES = ("bench-", "serve_bench-")  # the stage records of bench cells (session.engine_stage names them)
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # "Machine learning": the runs view
@@ -102,7 +104,7 @@ def _sqlite_path(uri: str | None) -> Path | None:
 def store_lock(uri: str | None = None):
     """Serialise writers of one SQLite store (`<db>.lock`, an flock; a server store needs none).
 
-    Measured (tests/reliability, README "Reliability"): 8 processes logging at once into a fresh SQLite
+    Measured (tests/reliability, docs/reliability.md): 8 processes logging at once into a fresh SQLite
     store, 7 failed (concurrent schema migrations: `duplicate column name`, alembic version races); with
     this lock all 8 logged. Parallel jobs (`snakemake -j N`, several campaigns in one working directory)
     therefore write one at a time; a server (`MLFLOW_TRACKING_URI=http://...`) takes concurrent writers.
@@ -146,7 +148,7 @@ def id_tags(eid: str) -> dict:
 
 
 def gpu_tags(root: Path) -> dict:
-    env = read_json(root / "env.json") if (root / "env.json").is_file() else {}
+    env = read_json(root / layout.ENV) if (root / layout.ENV).is_file() else {}
     gpus = env.get("gpus") or []
     return {"gpu": ", ".join(dict.fromkeys(map(str, gpus))), "gpu.count": str(len(gpus))} if gpus else {}
 
@@ -161,7 +163,7 @@ def headline(root: Path, records: list[dict], config: dict) -> tuple[dict, dict]
         if not rec["name"].startswith(BENCH_STAGES):
             continue
         for f in rec.get("files", []):
-            if not (f.startswith("bench/") and f.endswith(".json") and (root / f).is_file()):
+            if not (f.startswith(layout.BENCH + "/") and f.endswith(".json") and (root / f).is_file()):
                 continue
             cell = read_json(root / f)
             if not (isinstance(cell, dict) and isinstance(cell.get("stats"), dict)
@@ -245,7 +247,7 @@ def log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
 
 def _log_evidence(evidence_dir: str | Path, uri: str | None = None) -> dict:
     root = Path(evidence_dir)
-    config = read_config(root / "config.yaml")
+    config = read_config(root / layout.CONFIG)
     eid = root.name
     records = stage_records(root)
     verdict = gates.verdicts(records).get(gates.PARITY.name, "")

@@ -1,5 +1,5 @@
 """llama.cpp (`make engines`: llama-cpp-python and its own HF-to-GGUF converter) as a token-level `command` target
-on the default campaign's tiny model (random weights, float32): the conversion and its cache (workflow/gguf.py), the
+on the default campaign's tiny model (random weights, float32): the conversion and its cache (workflow/models/gguf.py), the
 adapter's trace (workflow/adapters/llama_cpp.py) through the command runner, held to transformers' own
 DeepseekV2ForCausalLM as the oracle stage runs it, and the converter shim's tokenizer check.
 """
@@ -13,10 +13,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+import tinyev
 import yaml
 
-import tinyev
-from evident.workflow import checkpoints, gguf, targets
+from evident.workflow.models import checkpoints, gguf
+from evident.workflow.plan import targets
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA = REPO / ".engines/llama-cpp"
@@ -49,7 +50,8 @@ def oracle(ckpt) -> tuple[dict, dict]:
     import torch
 
     from evident.engine.checkpoint import eos_ids
-    from evident.workflow import hf, logprobs
+    from evident.workflow.models import hf
+    from evident.workflow.parity import logprobs
     from evident.workflow.stages.oracle import path_logits, run_case
 
     cases = yaml.safe_load((REPO / "config/config.yaml").read_text())["cases"]

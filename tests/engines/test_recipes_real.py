@@ -11,13 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
+import tinyev
 import yaml
 
-import tinyev
-from evident.workflow import gguf, recipes
-from evident.workflow.campaign import model_config
-from evident.workflow.evidence import read_json
-from evident.workflow.stages import compare, oracle as oracle_stage, parity_target
+from evident.workflow.core.evidence import read_json
+from evident.workflow.models import gguf
+from evident.workflow.plan import recipes
+from evident.workflow.plan.campaign import model_config
+from evident.workflow.stages import compare, parity_target
+from evident.workflow.stages import oracle as oracle_stage
 
 REPO = Path(__file__).resolve().parents[2]
 PARITY = {**tinyev.defaults(yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]["parity"]),

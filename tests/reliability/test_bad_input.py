@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import tinyev
 import torch
 import yaml
-
-import tinyev
 from campaigns import overridden, rejected
-from evident.workflow import checkpoints
-from evident.workflow.campaign import CampaignFileError, read_campaign_file, validate_campaign
+
 from evident.workflow.cli import configfiles
+from evident.workflow.models import checkpoints
+from evident.workflow.plan.campaign import CampaignFileError, read_campaign_file, validate_campaign
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = str(REPO / "config/schema.yaml")
@@ -85,7 +85,7 @@ def test_every_error_at_once():
         "invalid campaign config at `bench`: 'new_tokns' was unexpected; did you mean 'new_tokens'?",
         "invalid campaign config at `<top level>`: 'cases' is a required property: the oracle and parity stages "
         "follow the cases' prompts (a campaign whose `stages` leave both out needs none).",
-        "3 errors. See config/schema.yaml and the README's key table."], msg
+        "3 errors. See config/schema.yaml and docs/campaigns.md."], msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -13,15 +13,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-import yaml
-
 import cluster
 import handbuilt
+import pytest
 import tinyev
-from evident.workflow import archive
-from evident.workflow.evidence import MANIFEST, read_json
-from evident.workflow.targets import free_port  # below the OS's ephemeral range, each port once
+import yaml
+
+from evident.workflow.archive import archive
+from evident.workflow.core.evidence import read_json
+from evident.workflow.core.layout import MANIFEST
+from evident.workflow.plan.targets import free_port  # below the OS's ephemeral range, each port once
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

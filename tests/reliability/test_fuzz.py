@@ -8,15 +8,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import handbuilt
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from snakemake.exceptions import WorkflowError
 
-import handbuilt
-from evident.workflow import archive, cli, diff
-from evident.workflow.campaign import evidence_config, validate_campaign
+from evident.workflow import cli
+from evident.workflow.archive import archive, diff
+from evident.workflow.plan.campaign import evidence_config, validate_campaign
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = str(REPO / "config/schema.yaml")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import handbuilt
 import pytest
 
-import handbuilt
-from evident.workflow import archive, cli
-from evident.workflow.evidence import DIGEST, MANIFEST, manifest_digest, sha256_file
+from evident.workflow import cli
+from evident.workflow.archive import archive
+from evident.workflow.core.evidence import DIGEST, manifest_digest, sha256_file
+from evident.workflow.core.layout import MANIFEST
 
 
 @pytest.fixture

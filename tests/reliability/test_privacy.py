@@ -1,14 +1,14 @@
-"""Secrets and private names: the scan `seal` runs before sealing (workflow/privacy.py), each leak planted."""
+"""Secrets and private names: the scan `seal` runs before sealing (workflow/core/privacy.py), each leak planted."""
 
 from __future__ import annotations
 
 import json
 
+import handbuilt
 import pytest
 
-import handbuilt
-from evident.workflow import privacy
-from evident.workflow.evidence import MANIFEST
+from evident.workflow.core import privacy
+from evident.workflow.core.layout import MANIFEST
 from evident.workflow.stages import seal
 
 TOKEN = "hf_" + "aB3dE5gH7jK9mN1pQ3sT5vW7yZ9bC1dF"

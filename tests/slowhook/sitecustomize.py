@@ -11,7 +11,7 @@ _stage, _, _seconds = os.environ.get(SLOW_HOOK, "").partition(":")
 if _stage and _seconds:
     import time
 
-    import evident.workflow.evidence as _evidence
+    import evident.workflow.core.evidence as _evidence
 
     def _pause(name: str) -> None:
         print(f"[{name}] {SLOW_HOOK}: pausing {_seconds}s", flush=True)

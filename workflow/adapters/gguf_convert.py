@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint to GGUF through llama.cpp's own converter (`convert_hf_to_gguf.py`, which `make engines`
 puts in .engines/llama-cpp/convert/ from the installed llama-cpp-python's sdist). Standalone: it runs under that
-environment's python, where evident is not installed (workflow/gguf.py calls it).
+environment's python, where evident is not installed (workflow/models/gguf.py calls it).
 
     python gguf_convert.py --converter DIR --outtype f32|f16|bf16 CHECKPOINT OUT.gguf
 

@@ -1,5 +1,5 @@
-"""llama.cpp as a `command` engine target (README "Engine targets"; the schemas are workflow/targets.py's REQUEST and
-TRACE): reads a request, writes a trace, through llama-cpp-python on a GGUF (workflow/gguf.py makes one with
+"""llama.cpp as a `command` engine target (docs/engine-targets.md; the schemas are workflow/plan/targets.py's REQUEST and
+TRACE): reads a request, writes a trace, through llama-cpp-python on a GGUF (workflow/models/gguf.py makes one with
 llama.cpp's own converter). Standalone: it runs under .engines/llama-cpp/bin/python and imports llama_cpp only.
 
     python llama_cpp.py --model M.gguf --request REQ.json --out TRACE.json [--kv-type f32|f16|bf16] [--threads N]

@@ -1,5 +1,5 @@
 # The evidence archive: evidence/index.html and a page per evidence directory in evidence/_pages/
-# (workflow/stages/archive.py, workflow/pages.py), plus what `snakemake --report report.html` shows.
+# (workflow/stages/archive.py, workflow/archive/pages.py), plus what `snakemake --report report.html` shows.
 
 
 report: "../report/workflow.rst"
@@ -10,17 +10,17 @@ report: "../report/workflow.rst"
 # defined (Snakefile), and a report is made after the run, when the directory is sealed. A directory
 # sealed by an older version may lack a newer stage's file; it is then left out of the report.
 REPORTED = {  # name: (path, caption, category, the stage that writes it; None: every campaign)
-    "summary": (f"{E}/SUMMARY.md", "summary.rst", "Evidence", None),
-    "details": (f"{E}/DETAILS.md", "details.rst", "Evidence", None),
-    "manifest": (f"{E}/MANIFEST.json", "manifest.rst", "Evidence", None),
-    "parity": (f"{E}/parity/comparison.json", "parity.rst", "Parity", "parity"),
-    "bench_table": (f"{E}/bench/summary.csv", "bench-table.rst", "Benchmark", "bench"),
-    "bench_plot": (f"{E}/plots/bench.png", "bench-plot.rst", "Benchmark", "bench"),
-    "overlap_screen": (f"{E}/overlap/screen.json", "overlap-screen.rst", "Overlap", "overlap"),
-    "overlap_plot": (f"{E}/plots/overlap.png", "overlap-plot.rst", "Overlap", "overlap"),
-    "kernel_audit": (f"{E}/kernels/audit.json", "kernel-audit.rst", "Kernels", "kernel_audit"),
-    "quality_gate": (f"{E}/{gsm8k.GATE}", "quality-gate.rst", "Quality", "quality"),
-    "profile_plot": (f"{E}/plots/profile.png", "profile-plot.rst", "Profile", "profile"),
+    "summary": (f"{E}/{layout.SUMMARY}", "summary.rst", "Evidence", None),
+    "details": (f"{E}/{layout.DETAILS}", "details.rst", "Evidence", None),
+    "manifest": (f"{E}/{layout.MANIFEST}", "manifest.rst", "Evidence", None),
+    "parity": (f"{E}/{layout.COMPARISON}", "parity.rst", "Parity", "parity"),
+    "bench_table": (f"{E}/{layout.BENCH_TABLE}", "bench-table.rst", "Benchmark", "bench"),
+    "bench_plot": (f"{E}/{layout.BENCH_PLOT}", "bench-plot.rst", "Benchmark", "bench"),
+    "overlap_screen": (f"{E}/{screens.files(screens.BUILTIN)['screen']}", "overlap-screen.rst", "Overlap", "overlap"),
+    "overlap_plot": (f"{E}/{screens.files(screens.BUILTIN)['plot']}", "overlap-plot.rst", "Overlap", "overlap"),
+    "kernel_audit": (f"{E}/{layout.AUDIT}", "kernel-audit.rst", "Kernels", "kernel_audit"),
+    "quality_gate": (f"{E}/{layout.QUALITY_GATE}", "quality-gate.rst", "Quality", "quality"),
+    "profile_plot": (f"{E}/{layout.PROFILE_PLOT}", "profile-plot.rst", "Profile", "profile"),
     **{f"overlap_{e['name']}_{kind}": (f"{E}/{screens.files(e['name'])[kind]}", f"overlap-{kind}.rst", "Overlap", "overlap")
        for e in config["screens"] for kind in ("screen", "plot")},
 }

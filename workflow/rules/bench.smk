@@ -8,7 +8,7 @@ rule bench:
         # the rows check's near-tie margin is parity's, measured from the oracle's record (bench.rows_margin)
         oracle=rules.oracle.output if "oracle" in config["stages"] else [],
     output:
-        [f"{E}/bench/{runs.bench_cell('{backend}', b, p)}.json" for p in runs.bench_contracts(config["bench"])
+        [f"{E}/{layout.bench_cell(runs.bench_cell('{backend}', b, p))}" for p in runs.bench_contracts(config["bench"])
          for b in config["bench"]["batch_sizes"]],
     wildcard_constraints:
         backend=runs.wildcard_constraints(runs.BENCH_BACKENDS)["backend"],
@@ -23,9 +23,9 @@ rule bench:
         batch_sizes=",".join(map(str, config["bench"]["batch_sizes"])),
         kernels=config["bench"]["kernels"],
     log:
-        f"{E}/logs/bench-{{backend}}.log",
+        f"{E}/{layout.log('bench-{backend}')}",
     benchmark:
-        f"{E}/logs/bench-{{backend}}.benchmark.tsv"
+        f"{E}/{layout.benchmark('bench-{backend}')}"
     shell:
         "{params.launch} -m evident.workflow.stages.bench --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"

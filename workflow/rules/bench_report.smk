@@ -4,9 +4,9 @@ rule bench_report:
     input:
         cells=BENCH + HTTP_BENCH,
     output:
-        csv=f"{E}/bench/summary.csv",
-        plot=f"{E}/plots/bench.png",
-        baseline=f"{E}/bench/baseline.json",
+        csv=f"{E}/{layout.BENCH_TABLE}",
+        plot=f"{E}/{layout.BENCH_PLOT}",
+        baseline=f"{E}/{layout.BASELINE}",
     resources:
         **job_resources(),
     params:
@@ -14,8 +14,8 @@ rule bench_report:
         ev=evidence_dir,
         baseline="--baseline '{}'".format(config["bench"]["baseline"]) if config["bench"]["baseline"] else "",
     log:
-        f"{E}/logs/bench_report.log",
+        f"{E}/{layout.log('bench_report')}",
     benchmark:
-        f"{E}/logs/bench_report.benchmark.tsv"
+        f"{E}/{layout.benchmark('bench_report')}"
     shell:
         "{params.py} -m evident.workflow.stages.bench_report --evidence {params.ev} {params.baseline} {input.cells} 2>&1 | tee {log}"

@@ -26,15 +26,15 @@ rule record_checkpoint:
         ckpt=CKPT,
         config=rules.context.output.config,
     output:
-        f"{E}/checkpoint.json",
+        f"{E}/{layout.CHECKPOINT}",
     resources:
         **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,
     log:
-        f"{E}/logs/checkpoint.log",
+        f"{E}/{layout.log('checkpoint')}",
     benchmark:
-        f"{E}/logs/checkpoint.benchmark.tsv"
+        f"{E}/{layout.benchmark('checkpoint')}"
     shell:
         "{params.py} -m evident.workflow.stages.checkpoint record --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from evident.workflow import gpus, gsm8k, locks, runs, screens, targets
-from evident.workflow.campaign import evidence_config
-from evident.workflow.estimate import checkpoint_dir
-from evident.workflow.evidence import evidence_id, git_state
+from evident.workflow.core import layout, locks
+from evident.workflow.core.evidence import evidence_id, git_state
+from evident.workflow.models import families
+from evident.workflow.parity import gsm8k
+from evident.workflow.plan import gpus, runs, screens, targets
+from evident.workflow.plan.campaign import evidence_config
+from evident.workflow.plan.estimate import checkpoint_dir
 
 # The stages run in the interpreter that runs Snakemake, named in their commands by a variable every job's shell sets
 # (Snakemake's default prefix, then it), not by its path: Snakemake reruns a job whose params changed, and the same
@@ -21,14 +24,14 @@ PY = '"$EVIDENT_PY"'
 GIT = git_state(workflow.basedir)
 RECORDED = evidence_config(config)  # what config.yaml holds and the id hashes: no tracking, resources or paths
 EID = evidence_id(GIT, RECORDED, config["repeat"])
-E = f"evidence/{config['campaign']}/{EID}"
-SEALED = os.path.exists(f"{E}/MANIFEST.json")
+E = layout.directory(config["campaign"], EID)
+SEALED = os.path.exists(f"{E}/{layout.MANIFEST}")
 
 
 # Two invocations writing one evidence directory: the second is refused here, naming the first. Snakemake's own lock
 # covers a running DAG's files only (a second run is first told to `--rerun-incomplete` the running job's outputs), and
 # its refusal advises `--unlock`: while another run is live, that refusal names the run instead. The locks, their
-# files (gone with the run, refused or not) and the stale Snakemake locks a killed run leaves: workflow/locks.py.
+# files (gone with the run, refused or not) and the stale Snakemake locks a killed run leaves: workflow/core/locks.py.
 if not workflow.dryrun and workflow.is_main_process:
     WORKDIR_LOCK, _stale = locks.share_workdir()
     if _stale:
@@ -51,19 +54,20 @@ GATE = f"{SEAL_LOGS}/gate.passed"  # the gate rule's output, written only on a p
 CONFIG_JSON = json.dumps(RECORDED, sort_keys=True)
 
 
-CKPT = str(checkpoint_dir(config))  # workflow/estimate.py (which checks its free disk)
+CKPT = str(checkpoint_dir(config))  # workflow/plan/estimate.py (which checks its free disk)
 PARITY_RUNS = [runs.run_name(b, k) for k in config["parity"]["kernels"] for b in config["parity"]["backends"]]
 # the `engines:` entries as given (their URLs and commands travel on the command line; the evidence config records a
 # hash of each URL and the commands with their paths redacted): parity runs each but those with `parity: false`
 # (parity_target), quality the named, the HTTP bench those of kind openai
 TARGETS = targets.by_name(config)
 PARITY_TARGETS = {n: TARGETS[n] for n in targets.names(config)}
-PARITY = [f"{E}/parity/{r}-b{n}.json" for r in [*PARITY_RUNS, *PARITY_TARGETS] for n in config["parity"]["batch_sizes"]]
-BENCH = [f"{E}/bench/{runs.bench_cell(b, n, p)}.json" for b in config["bench"]["backends"]
+PARITY = [f"{E}/{layout.parity_run(f'{r}-b{n}')}" for r in [*PARITY_RUNS, *PARITY_TARGETS]
+          for n in config["parity"]["batch_sizes"]]
+BENCH = [f"{E}/{layout.bench_cell(runs.bench_cell(b, n, p))}" for b in config["bench"]["backends"]
          for p in runs.bench_contracts(config["bench"]) for n in config["bench"]["batch_sizes"]]
 # the benchmark over HTTP's targets: the builtin engine's server (`engine`), `engines:` entries of kind openai as given
 HTTP_TARGETS = {t: TARGETS.get(t) or {"name": t, "kind": targets.BUILTIN} for t in targets.bench_targets(config)}
-HTTP_BENCH = ([f"{E}/bench/{runs.http_cell(t, c, p)}.json" for t in HTTP_TARGETS
+HTTP_BENCH = ([f"{E}/{layout.bench_cell(runs.http_cell(t, c, p))}" for t in HTTP_TARGETS
                for p in runs.bench_contracts(config["bench"]) for c in config["bench"]["http"]["concurrency"]]
               if "serve_bench" in config["stages"] else [])
 
@@ -86,13 +90,13 @@ def evidence_dir(wildcards):
     return E
 
 
-# --- What each job asks for (README "Running on a cluster") -------------------------------------------------------
+# --- What each job asks for (docs/gpu-and-cluster.md "Running on a cluster") ------------------------------------------
 # Each of the rules declares its Snakemake resources (job_resources), from the campaign: `gpu` (0 on a CPU
 # campaign; an expert-parallel job one per rank), `gpu_model` (GPU jobs, where the campaign sets one),
 # `cpus_per_task` (= its threads), `mem_mb`, `runtime` (minutes). The local scheduler caps running jobs by
 # them (`--cores`, `--resources gpu=N`); the Slurm executor turns them into sbatch/srun --gpus, --cpus-per-task,
 # --mem and --time. Locally Snakemake does not say which GPU a job gets: a GPU job's stage runs through
-# `python -m evident.workflow.gpus N --`, which hands it N devices of its own (workflow/gpus.py); under Slurm,
+# `python -m evident.workflow.plan.gpus N --`, which hands it N devices of its own (workflow/plan/gpus.py); under Slurm,
 # Slurm chose them and that wrapper changes nothing.
 RES = config["resources"]
 SCHEDULE = "EVIDENT_SCHEDULE"
@@ -145,7 +149,7 @@ def on_gpus(n):
     Triton kernels through Triton's interpreter, whose switch must be set before Python starts."""
     if not USES_GPU:
         return f"TRITON_INTERPRET=1 {PY}"
-    return f"{PY} -m evident.workflow.gpus {n} -- {PY}" if n else PY
+    return f"{PY} -m evident.workflow.plan.gpus {n} -- {PY}" if n else PY
 
 
 def job_resources(gpu=0):

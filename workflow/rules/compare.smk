@@ -4,15 +4,15 @@ rule compare:
         oracle=rules.oracle.output,
         runs=PARITY,
     output:
-        f"{E}/parity/comparison.json",
+        f"{E}/{layout.COMPARISON}",
     resources:
         **job_resources(),
     params:
         py=PY,
         ev=evidence_dir,
     log:
-        f"{E}/logs/compare.log",
+        f"{E}/{layout.log('compare')}",
     benchmark:
-        f"{E}/logs/compare.benchmark.tsv"
+        f"{E}/{layout.benchmark('compare')}"
     shell:
         "{params.py} -m evident.workflow.stages.compare --evidence {params.ev} {input.runs} 2>&1 | tee {log}"

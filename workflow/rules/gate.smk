@@ -12,7 +12,7 @@ localrules:
 
 rule gate:
     input:
-        f"{E}/MANIFEST.json",
+        f"{E}/{layout.MANIFEST}",
     output:
         GATE,
     resources:

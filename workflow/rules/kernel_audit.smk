@@ -6,7 +6,7 @@ rule kernel_audit:
         ckpt=CKPT,
         config=rules.context.output.config,
     output:
-        f"{E}/kernels/audit.json",
+        f"{E}/{layout.AUDIT}",
     # compiles the kernels for the campaign's GPU
     resources:
         **job_resources(gpu=1),
@@ -14,8 +14,8 @@ rule kernel_audit:
         py=on_gpus(1),
         ev=evidence_dir,
     log:
-        f"{E}/logs/kernel_audit.log",
+        f"{E}/{layout.log('kernel_audit')}",
     benchmark:
-        f"{E}/logs/kernel_audit.benchmark.tsv"
+        f"{E}/{layout.benchmark('kernel_audit')}"
     shell:
         "{params.py} -m evident.workflow.stages.kernel_audit --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -6,15 +6,15 @@ rule oracle:
         ckpt=CKPT,
         record=rules.record_checkpoint.output,
     output:
-        f"{E}/oracle/hf.json",
+        f"{E}/{layout.ORACLE}",
     resources:
         **job_resources(gpu=1),
     params:
         py=on_gpus(1),
         ev=evidence_dir,
     log:
-        f"{E}/logs/oracle.log",
+        f"{E}/{layout.log('oracle')}",
     benchmark:
-        f"{E}/logs/oracle.benchmark.tsv"
+        f"{E}/{layout.benchmark('oracle')}"
     shell:
         "{params.py} -m evident.workflow.stages.oracle --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

@@ -6,7 +6,7 @@ rule parity:
         record=rules.record_checkpoint.output,
         oracle=rules.oracle.output,
     output:
-        [f"{E}/parity/{{backend}}{{kernels}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
+        [f"{E}/{layout.parity_run(f'{{backend}}{{kernels}}-b{b}')}" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
         **runs.wildcard_constraints(runs.BACKENDS),
     # one core per rank, so Snakemake does not run more processes than cores beside it
@@ -20,15 +20,15 @@ rule parity:
         kernels=lambda wildcards: runs.kernels_of(wildcards.kernels),
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
-        f"{E}/logs/parity-{{backend}}{{kernels}}.log",
+        f"{E}/{layout.log('parity-{backend}{kernels}')}",
     benchmark:
-        f"{E}/logs/parity-{{backend}}{{kernels}}.benchmark.tsv"
+        f"{E}/{layout.benchmark('parity-{backend}{kernels}')}"
     shell:
         "{params.launch} -m evident.workflow.stages.parity --checkpoint {input.ckpt} --evidence {params.ev} "
         "--backend {wildcards.backend} --kernels {params.kernels} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"
 
 
-# An engine target of `engines:` (workflow/targets.py) on the same cases, each its own job: its server (a url, or its
+# An engine target of `engines:` (workflow/plan/targets.py) on the same cases, each its own job: its server (a url, or its
 # serve command started and stopped by the stage) or its command; compare.smk holds it to the oracle with the rest.
 rule parity_target:
     input:
@@ -36,7 +36,7 @@ rule parity_target:
         record=rules.record_checkpoint.output,
         oracle=rules.oracle.output,
     output:
-        [f"{E}/parity/{{target}}-b{b}.json" for b in config["parity"]["batch_sizes"]],
+        [f"{E}/{layout.parity_run(f'{{target}}-b{b}')}" for b in config["parity"]["batch_sizes"]],
     wildcard_constraints:
         target="|".join(map(re.escape, PARITY_TARGETS)) or "(?!)",
     # the stage waits on its target; a served or command target is a second process, holding the GPU on a GPU campaign
@@ -49,9 +49,9 @@ rule parity_target:
         spec=lambda wildcards: shlex.quote(json.dumps(PARITY_TARGETS[wildcards.target])),
         batch_sizes=",".join(map(str, config["parity"]["batch_sizes"])),
     log:
-        f"{E}/logs/parity-{{target}}.log",
+        f"{E}/{layout.log('parity-{target}')}",
     benchmark:
-        f"{E}/logs/parity-{{target}}.benchmark.tsv"
+        f"{E}/{layout.benchmark('parity-{target}')}"
     shell:
         "{params.py} -m evident.workflow.stages.parity_target --checkpoint {input.ckpt} --evidence {params.ev} "
         "--spec {params.spec} --batch-sizes {params.batch_sizes} 2>&1 | tee {log}"

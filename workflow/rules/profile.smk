@@ -8,9 +8,9 @@ rule profile:
         record=rules.record_checkpoint.output,
         env=rules.context.output.env,
     output:
-        capture=f"{E}/profile/capture.json",
-        kernels=f"{E}/profile/kernels.csv",
-        plot=f"{E}/plots/profile.png",
+        capture=f"{E}/{layout.CAPTURE}",
+        kernels=f"{E}/{layout.KERNEL_TABLE}",
+        plot=f"{E}/{layout.PROFILE_PLOT}",
     # A capture times kernels: no other job beside it on a GPU; on the CPU it only needs one core's worth.
     threads: ALONE if USES_GPU else 1
     resources:
@@ -19,8 +19,8 @@ rule profile:
         py=on_gpus(1),
         ev=evidence_dir,
     log:
-        f"{E}/logs/profile.log",
+        f"{E}/{layout.log('profile')}",
     benchmark:
-        f"{E}/logs/profile.benchmark.tsv"
+        f"{E}/{layout.benchmark('profile')}"
     shell:
         "{params.py} -m evident.workflow.stages.profile --checkpoint {input.ckpt} --evidence {params.ev} 2>&1 | tee {log}"

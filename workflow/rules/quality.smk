@@ -8,9 +8,9 @@ rule quality:
         record=rules.record_checkpoint.output,
         data=quality_data(),
     output:
-        results=[f"{E}/{gsm8k.RESULT.format(target=t)}" for t in QUALITY_TARGETS],
-        rows=[f"{E}/{gsm8k.ROWS.format(target=t)}" for t in QUALITY_TARGETS],
-        gate=f"{E}/{gsm8k.GATE}",
+        results=[f"{E}/{layout.quality_result(t)}" for t in QUALITY_TARGETS],
+        rows=[f"{E}/{layout.quality_rows(t)}" for t in QUALITY_TARGETS],
+        gate=f"{E}/{layout.QUALITY_GATE}",
     # hf in process, then the engine server as a second process: one core each at most at a time
     threads: ALONE if USES_GPU else 1
     resources:
@@ -20,8 +20,8 @@ rule quality:
         ev=evidence_dir,
         args=quality_args,
     log:
-        f"{E}/logs/quality.log",
+        f"{E}/{layout.log('quality')}",
     benchmark:
-        f"{E}/logs/quality.benchmark.tsv"
+        f"{E}/{layout.benchmark('quality')}"
     shell:
         "{params.py} -m evident.workflow.stages.quality --checkpoint {input.ckpt} --evidence {params.ev} {params.args} 2>&1 | tee {log}"

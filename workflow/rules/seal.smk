@@ -21,9 +21,9 @@ rule seal:
         rules.record_checkpoint.output,
         [STAGE_OUTPUTS[s] for s in config["stages"]],
     output:
-        summary=f"{E}/SUMMARY.md",
-        details=f"{E}/DETAILS.md",
-        manifest=f"{E}/MANIFEST.json",
+        summary=f"{E}/{layout.SUMMARY}",
+        details=f"{E}/{layout.DETAILS}",
+        manifest=f"{E}/{layout.MANIFEST}",
     resources:
         **job_resources(),
     params:

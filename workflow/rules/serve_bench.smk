@@ -7,7 +7,7 @@ rule serve_bench:
         record=rules.record_checkpoint.output,
         env=rules.context.output.env,
     output:
-        [f"{E}/bench/{runs.http_cell('{target}', c, p)}.json" for p in runs.bench_contracts(config["bench"])
+        [f"{E}/{layout.bench_cell(runs.http_cell('{target}', c, p))}" for p in runs.bench_contracts(config["bench"])
          for c in config["bench"]["http"]["concurrency"]],
     wildcard_constraints:
         target="|".join(map(re.escape, HTTP_TARGETS)) or "(?!)",
@@ -20,9 +20,9 @@ rule serve_bench:
         ev=evidence_dir,
         spec=lambda wildcards: shlex.quote(json.dumps(HTTP_TARGETS[wildcards.target])),
     log:
-        f"{E}/logs/serve_bench-{{target}}.log",
+        f"{E}/{layout.log('serve_bench-{target}')}",
     benchmark:
-        f"{E}/logs/serve_bench-{{target}}.benchmark.tsv"
+        f"{E}/{layout.benchmark('serve_bench-{target}')}"
     shell:
         "{params.py} -m evident.workflow.stages.serve_bench --checkpoint {input.ckpt} --evidence {params.ev} "
         "--spec {params.spec} 2>&1 | tee {log}"

@@ -1,4 +1,4 @@
-"""Stage `archive`: rewrite the static HTML archive (workflow/pages.py), `evidence/index.html` and a page per
+"""Stage `archive`: rewrite the static HTML archive (workflow/archive/pages.py), `evidence/index.html` and a page per
 evidence directory, after a directory is sealed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from evident.workflow import archive, pages
+from evident.workflow.archive import archive, pages
 
 
 def main(argv: list[str] | None = None) -> None:

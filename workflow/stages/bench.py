@@ -14,10 +14,10 @@ contract (prompts of different lengths left-padded to the longest, as transforme
 a GPU): the references the engine's figures stand beside, measured in the same run. Every cell records the wall
 time of each warm-up and measured run, so a compile (in the first warm-up) is recorded apart from the steady TPOT:
 `first_warmup_over_repeat_s`.
-After the timing, untimed, each cell's rows are replayed (workflow/replay.py) for the experts every steady decode
+After the timing, untimed, each cell's rows are replayed (workflow/bench/replay.py) for the experts every steady decode
 step chose, and the cell records its floor (workflow.floor.bench_floor: the bytes each step must read, the unique
 experts a MoE layer, over the read bandwidth measured here once) against its steady TPOT p50.
-Before every measured run a machine probe (workflow/machine.py: a fixed matmul and copy on the same device and threads) is timed
+Before every measured run a machine probe (workflow/bench/machine.py: a fixed matmul and copy on the same device and threads) is timed
 and recorded with it (`probe_ms`), so that a claim between two directories can tell a change of the machine (load,
 clocks) from a change of the code (benchstats.directional_claim).
 """
@@ -37,12 +37,23 @@ import torch
 from evident.engine import graph_decode
 from evident.engine.checkpoint import CheckpointError
 from evident.engine.generate import Generation, generate
-from evident.workflow import floor, logprobs, machine, replay
-from evident.workflow.benchstats import BenchError, measured_with, summarize_cell
-from evident.workflow.checkpoints import DTYPES, CheckpointInvalid
-from evident.workflow.evidence import read_json
-from evident.workflow.runs import BENCH_BACKENDS, DISTINCT, HF_PATHS, SAME, bench_cell, bench_contracts, prompt_keys, prompt_texts
-from evident.workflow.session import Session, engine_args, engine_stage
+from evident.workflow.bench import floor, machine, replay
+from evident.workflow.bench.benchstats import BenchError, measured_with, summarize_cell
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_json
+from evident.workflow.models.checkpoints import DTYPES, CheckpointInvalid
+from evident.workflow.models.session import Session, engine_args, engine_stage
+from evident.workflow.parity import logprobs
+from evident.workflow.plan.runs import (
+    BENCH_BACKENDS,
+    DISTINCT,
+    HF_PATHS,
+    SAME,
+    bench_cell,
+    bench_contracts,
+    prompt_keys,
+    prompt_texts,
+)
 
 
 class Marks:
@@ -160,7 +171,7 @@ def rows_margin(evidence: Path, config: dict) -> tuple[float, dict | None]:
     that runs the oracle stage: bench.smk waits for it), else the dtype's floor. On random weights in bf16 the floor
     (0.5) is under the noise: transformers' own batch of 4 distinct prompts, left-padded, parted from a row alone by
     0.875 on the DeepSeek-V2-Lite shape (H200)."""
-    oracle = evidence / "oracle/hf.json"
+    oracle = evidence / layout.ORACLE
     transformers = logprobs.transformers_errors(read_json(oracle)) if oracle.is_file() else {}
     return logprobs.near_tie_margin(config["dtype"], transformers, config["parity"].get("near_tie_margin"))
 
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             for prompts in bench_contracts(s.config["bench"]):
                 for batch in args.batch_sizes:
                     cell = bench_batch(s, batch, prompts, lay, bandwidth, near_tie)
-                    st.write_json(f"bench/{bench_cell(args.backend, batch, prompts)}.json", {
+                    st.write_json(layout.bench_cell(bench_cell(args.backend, batch, prompts)), {
                         "backend": args.backend, "batch": batch, **s.params, **cell, "versions": versions,
                         "model": model})
                     key = f"b{batch}" if prompts == SAME else f"distinct_b{batch}"

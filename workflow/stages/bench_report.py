@@ -12,16 +12,17 @@ directional claim by the noise rule). The plot is the in-process cells'.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from evident.workflow import archive, benchstats
-from evident.workflow.evidence import Stage, read_json, write_text
-from evident.workflow.runs import bench_cell, cell_label, cell_prompts, is_http, label
-from evident.workflow.targets import ENGINE
+from evident.workflow.archive import archive
+from evident.workflow.bench import benchstats
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_json, stage_args, write_text
+from evident.workflow.plan.runs import bench_cell, cell_label, cell_prompts, is_http, label
+from evident.workflow.plan.targets import ENGINE
 
 SERVED = "single"  # the engine's backend engine.serve serves: the in-process cells its HTTP cells stand beside
 
@@ -75,10 +76,9 @@ def beside(http_cells: list[dict], cells: list[dict]) -> dict[str, tuple[str | N
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(__doc__)
     ap.add_argument("--baseline", default=None, help="bench.baseline: an evidence directory, id, any unique part of an id, or @latest")
-    ap.add_argument("cells", nargs="+", type=Path, help="bench/<backend>-b<B>.json and bench/http-<target>-c<C>.json files")
+    ap.add_argument("cells", nargs="+", type=Path, help=f"the cells' files, {layout.BENCH_CELLS}")
     args = ap.parse_args(argv)
     try:
         with Stage(args.evidence, "bench_report") as st:
@@ -89,20 +89,20 @@ def main(argv: list[str] | None = None) -> None:
             table = frame.assign(transport=benchstats.IN_PROCESS)[["transport", *frame.columns]]
             if http:
                 table = pd.concat([table, benchstats.http_frame(http, pairs)], ignore_index=True)
-            st.add_file(write_text(args.evidence / "bench/summary.csv", table.to_csv(index=False)))
+            st.add_file(write_text(args.evidence / layout.BENCH_TABLE, table.to_csv(index=False)))
             for name, (inproc, side) in pairs.items():
                 st.metrics.update({f"{name}.http_over_inprocess.{k}": v for k, v in side.items()
                                    if k.endswith(("_ratio", "_over_tpot_p50")) and v is not None})
                 print(f"[bench_report] {name} beside {inproc or 'no in-process cell'}: {side['claim']}"
                       + (f", TPOT p50 x{side['tpot_p50_ratio']:.3f}" if side.get("tpot_p50_ratio") else "")
                       + (f" ({side['reason']})" if side.get("reason") else ""), flush=True)
-            benchstats.plot(frame, args.evidence / "plots/bench.png")
-            st.add_file(args.evidence / "plots/bench.png")
+            benchstats.plot(frame, args.evidence / layout.BENCH_PLOT)
+            st.add_file(args.evidence / layout.BENCH_PLOT)
             result = {"baseline": None, "cells": []}
             if args.baseline:
                 base = resolve_baseline(args.baseline, args.evidence)
                 result = {"baseline": base.name, "cells": compare_to(every, base)}
-            st.write_json("bench/baseline.json", result)
+            st.write_json(layout.BASELINE, result)
             print(frame.to_string(index=False), flush=True)
             for c in result["cells"]:
                 print(f"[bench_report] vs {result['baseline']} {c['cell']}: {c['claim']}"

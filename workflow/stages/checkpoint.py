@@ -1,10 +1,10 @@
 """Stage `checkpoint`: materialise the campaign's checkpoint directory and record its hashes.
 
 `fetch` fills the checkpoint cache (synthetic: the size estimate first, then a seeded write that reports its
-progress; trained: the estimate, then training with a line of step and loss, workflow/training.py; hub: pinned
+progress; trained: the estimate, then training with a line of step and loss, workflow/models/training.py; hub: pinned
 snapshot, then its estimate); `record` verifies the directory (missing or corrupt files,
-expected sha256) and writes checkpoint.json (with `skipped` when the files hold multi-token-prediction tensors:
-DeepSeek-V3's layers after the model's own, DeepSeek-V4's `mtp.*` module).
+expected sha256) and writes checkpoint.json (with `skipped` when the files hold multi-token-prediction tensors, and
+why: the family's `mtp_skip`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 from evident.engine.checkpoint import CheckpointError, mtp_tensors
-from evident.engine.config import V4
-from evident.workflow import checkpoints, environment, estimate, training
-from evident.workflow.evidence import Stage, read_config, read_json
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_config, read_json
+from evident.workflow.models import checkpoints, families, training
+from evident.workflow.plan import environment, estimate
 
 
 def say(line: str) -> None:
@@ -49,14 +50,8 @@ def fetch(ckpt_dir: Path, spec: dict, dtype: str, device: str) -> None:
     say(f"ready in {time.perf_counter() - t0:.1f}s")
 
 
-MTP_SKIP = ("DeepSeek-V3's multi-token-prediction layers (num_mtp_layers): greedy decoding runs without them, as "
-            "transformers' DeepseekV3ForCausalLM does; neither the engine nor the oracle reads them")
-MTP_SKIP_V4 = ("DeepSeek-V4's multi-token-prediction module (mtp.*, num_nextn_predict_layers): greedy decoding runs "
-               "without it, as transformers' DeepseekV4ForCausalLM does; neither the engine nor the oracle reads it")
-
-
 def record(ckpt_dir: Path, evidence: Path) -> None:
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / layout.CONFIG)
     spec = config["checkpoint"]
     with Stage(evidence, "checkpoint", params={"source": spec["source"]}) as st:
         files = checkpoints.describe(ckpt_dir, spec.get("sha256"))
@@ -75,9 +70,9 @@ def record(ckpt_dir: Path, evidence: Path) -> None:
         except (CheckpointError, NotImplementedError, ValueError) as e:  # a config the engine cannot read
             raise checkpoints.CheckpointInvalid(f"{ckpt_dir}: {e}") from e
         if skipped:  # in the files, never run: the evidence says so
-            v4 = read_json(ckpt_dir / "config.json").get("model_type") == V4
-            rec["skipped"] = {"tensors": len(skipped), "first": skipped[0], "why": MTP_SKIP_V4 if v4 else MTP_SKIP}
-        st.write_json("checkpoint.json", rec)
+            why = families.of_checkpoint(ckpt_dir).mtp_skip
+            rec["skipped"] = {"tensors": len(skipped), "first": skipped[0], "why": why}
+        st.write_json(layout.CHECKPOINT, rec)
         st.metrics["bytes"] = sum(f["size"] for f in files.values())
         print(f"[checkpoint] {len(files)} files, {st.metrics['bytes'] / 1e6:.1f} MB verified", flush=True)
 

@@ -27,21 +27,25 @@ Each cell keeps its free-running verdict (`free_running`) beside the one the for
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-from evident.workflow import gates, logprobs, replay, targets
-from evident.workflow.evidence import Stage, read_config, read_json, text_sha256, token_sha256
-from evident.workflow.logprobs import REFERENCE_DTYPE
-from evident.workflow.runs import EP_BACKENDS, label as run_label, schema_default
-from evident.workflow.traces import REPLACEMENT, UNDECODABLE, first_difference, token_at
-from evident.workflow.verdicts import NEAR_TIE, worst as worst_verdict
+from evident.workflow.bench import replay
+from evident.workflow.core import gates, layout
+from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
+from evident.workflow.core.verdicts import NEAR_TIE
+from evident.workflow.core.verdicts import worst as worst_verdict
+from evident.workflow.parity import logprobs
+from evident.workflow.parity.logprobs import REFERENCE_DTYPE
+from evident.workflow.parity.traces import REPLACEMENT, UNDECODABLE, first_difference, token_at
+from evident.workflow.plan import targets
+from evident.workflow.plan.runs import EP_BACKENDS, schema_default
+from evident.workflow.plan.runs import label as run_label
 
 TRANSPORTS = EP_BACKENDS  # host-staged against collective
-# The schema's defaults, from the figures in README "Parity": 8x the largest float32 noise measured, and between
+# The schema's defaults, from the figures in docs/campaigns.md "Parity": 8x the largest float32 noise measured, and between
 # transformers' own bf16 error and a low-dtype norm's.
 LOGIC_TOLERANCE = schema_default("parity", "logic_tolerance")  # 5e-3
 PRECISION_BOUND = schema_default("parity", "precision_bound")  # 1.15
@@ -368,17 +372,16 @@ def compare_parity(oracle: dict, runs: list[dict], config: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--evidence", required=True, type=Path)
-    ap.add_argument("runs", nargs="+", type=Path, help="parity/<run>-b<B>.json files")
+    ap = stage_args(__doc__)
+    ap.add_argument("runs", nargs="+", type=Path, help=f"the runs' files, {layout.parity_run('<run>-b<B>')}")
     args = ap.parse_args(argv)
-    config = read_config(args.evidence / "config.yaml")
+    config = read_config(args.evidence / layout.CONFIG)
     parity = config["parity"]
     params = {"logic_tolerance": parity["logic_tolerance"], "precision_bound": parity["precision_bound"]}
     try:
         with Stage(args.evidence, "compare", params=params) as st:
-            result = compare_parity(read_json(args.evidence / "oracle/hf.json"), [read_json(p) for p in args.runs], config)
-            st.write_json("parity/comparison.json", result)
+            result = compare_parity(read_json(args.evidence / layout.ORACLE), [read_json(p) for p in args.runs], config)
+            st.write_json(layout.COMPARISON, result)
             st.tags[gates.PARITY.tag] = result["verdict"]
             for name, t in result["targets"].items():  # each engine target's own, in MLflow too
                 st.tags[f"parity.target.{name}"] = f"{t['verdict']} ({t['level']} level)"

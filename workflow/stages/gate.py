@@ -1,4 +1,4 @@
-"""Stage `gate`: after sealing, fail the run when a gate of workflow/gates.py failed (its verdict is one of the
+"""Stage `gate`: after sealing, fail the run when a gate of workflow/core/gates.py failed (its verdict is one of the
 gate's failing verdicts, in the sealed file its stage wrote), or when the parity verdict is not exact under
 `parity.require_exact`. A gate whose document is marked `advisory` (quality.advisory) is recorded, not failed on.
 A gate whose stage the campaign did not run is recorded as not run.
@@ -13,10 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-from evident.workflow.evidence import MANIFEST, read_config, read_json, stage_args, write_json, write_text
-from evident.workflow.gates import GATES, PARITY, document, target_verdicts
-from evident.workflow.runs import STAGES
-from evident.workflow.summary import divergence
+from evident.workflow.archive.summary import divergence
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_config, read_json, stage_args, write_json, write_text
+from evident.workflow.core.gates import GATES, PARITY, document, target_verdicts
+from evident.workflow.core.layout import MANIFEST
+from evident.workflow.plan.runs import STAGES
 
 
 def failure(gate, doc: dict, path: str, config: dict) -> str | None:
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, type=Path, help="the gate record, written passing or failing")
     ap.add_argument("--passed", type=Path, default=None, help="a marker written only when the run passes the gates")
     args = ap.parse_args(argv)
-    config = read_config(args.evidence / "config.yaml")
+    config = read_config(args.evidence / layout.CONFIG)
     manifest = read_json(args.evidence / MANIFEST)
     paths = {g.name: path for g in GATES if (path := document(g, manifest["files"]))}
     docs = {name: read_json(args.evidence / path) for name, path in paths.items()}

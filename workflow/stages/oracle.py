@@ -18,9 +18,12 @@ import sys
 
 import torch
 
-from evident.workflow import checkpoints, environment, hf, logprobs
-from evident.workflow.logprobs import REFERENCE_DTYPE
-from evident.workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args, text_sha256, token_sha256
+from evident.workflow.models import checkpoints, hf
+from evident.workflow.parity import logprobs
+from evident.workflow.parity.logprobs import REFERENCE_DTYPE
+from evident.workflow.plan import environment
 
 
 def reference_device(model, device: str) -> tuple[str, str]:
@@ -79,12 +82,12 @@ def run_case(tok, model, case: dict, device: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = stage_args(__doc__, checkpoint=True).parse_args(argv)
-    config = read_config(args.evidence / "config.yaml")
+    config = read_config(args.evidence / layout.CONFIG)
     device = environment.resolve_device(config["device"])
     top_k = config["parity"]["top_k"]
     try:
         with Stage(args.evidence, "oracle", params={"dtype": config["dtype"], "device": device, "top_k": top_k}) as st:
-            checkpoints.verify(args.checkpoint, read_json(args.evidence / "checkpoint.json"))
+            checkpoints.verify(args.checkpoint, read_json(args.evidence / layout.CHECKPOINT))
             torch.manual_seed(0)
             tok, model = hf.load(args.checkpoint, config["dtype"], device)
             cases, same = [], []
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                     case["same_dtype"] = logprobs.at(logits, case["reference"]["top_ids"])
             import transformers
 
-            st.write_json("oracle/hf.json", {
+            st.write_json(layout.ORACLE, {
                 "implementation": f"transformers.{type(model).__name__} (native, eager)",
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                 "dtype": config["dtype"],

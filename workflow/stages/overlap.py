@@ -4,16 +4,16 @@ side stream) and the campaign's own (`screens:`, factories in the user's code).
 The experiment is kernels/overlap.py (the screen contract, the bitwise comparison, the CUDA-graph timing); this
 stage makes every screen (the built-in's factory with the campaign's shapes, then each of `screens:`, all made and
 checked before any is measured), runs the experiment on each and writes the evidence: per screen its screen.json,
-timings.csv and plot (workflow/screens.py `files`), and, when the campaign has screens of its own, the index
+timings.csv and plot (workflow/plan/screens.py `files`), and, when the campaign has screens of its own, the index
 overlap/screens.json with the stage's verdict (without, the built-in's screen.json is the stage's document).
 
-The built-in's shapes: the campaign's model's own where it has the screened projections (`model_shapes`:
-DeepSeek-V4's C4 auxiliary GEMVs; with the checkpoint, `layer_weights`: its first C4 layer's own weights, in the
-campaign's dtype), else overlap.K, overlap.segments and overlap.gemm_n as the campaign states them; with neither
-the built-in screen is recorded as skipped with SKIP_REASON (verdict `not_measured`; the timings header only and a
-plot saying so), and so is the stage when the campaign has no screens of its own. Without CUDA the bitwise part
-runs eagerly (the built-in through the Triton interpreter on small shapes, CPU_SHAPES) and timing is recorded as
-not measured, with the reason; the timings then hold the header only.
+The built-in's shapes: the campaign's model's own where it has the screened projections (`model_shapes`, as its
+family says: a compressed sparse attention layer's auxiliary GEMVs; with the checkpoint, `layer_weights`: that
+layer's own weights, in the campaign's dtype), else overlap.K, overlap.segments and overlap.gemm_n as the campaign
+states them; with neither the built-in screen is recorded as skipped with SKIP_REASON (verdict `not_measured`; the
+timings header only and a plot saying so), and so is the stage when the campaign has no screens of its own. Without
+CUDA the bitwise part runs eagerly (the built-in through the Triton interpreter on small shapes, CPU_SHAPES) and
+timing is recorded as not measured, with the reason; the timings then hold the header only.
 
 A screen's verdict: any input set on which an output of A and B differ gives `bitwise_mismatch`. Otherwise B is
 called faster or slower only beyond benchstats.NOISE in every envelope with neither variant noisy, a variant's
@@ -31,14 +31,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evident.engine.config import V4
-from evident.kernels.overlap import (BLOCKS, CONSUMER, CPU_SHAPES, DESCRIPTION, ENVELOPES, VARIANTS, ScreenError, bitwise,
-                             c4_screen, checked, layout, samples, timing)
-from evident.workflow import benchstats, checkpoints, screens
-from evident.workflow.environment import require_interpreter, resolve_device
-from evident.workflow.evidence import Stage, read_config, stage_args, write_text
-from evident.workflow.gates import BY_NAME, NOT_MEASURED
-from evident.workflow.plots import figure, save_png
+from evident.kernels.overlap import (
+    BLOCKS,
+    CONSUMER,
+    CPU_SHAPES,
+    DESCRIPTION,
+    ENVELOPES,
+    VARIANTS,
+    ScreenError,
+    bitwise,
+    c4_screen,
+    checked,
+    layout,
+    samples,
+    timing,
+)
+from evident.workflow.bench import benchstats
+from evident.workflow.core.evidence import Stage, read_config, stage_args, write_text
+from evident.workflow.core.gates import BY_NAME, NOT_MEASURED
+from evident.workflow.core.layout import CONFIG, SCREENS  # (kernels.overlap has its own `layout`)
+from evident.workflow.core.plots import figure, save_png
+from evident.workflow.models import checkpoints, families
+from evident.workflow.plan import screens
+from evident.workflow.plan.environment import require_interpreter, resolve_device
 
 OVERLAP_GATE = BY_NAME["overlap"]
 CPU_REASON = "no CUDA device: the Triton interpreter ran the bitwise part on small shapes"
@@ -48,8 +63,6 @@ CPU_OWN = 1 << 18  # a model's own C4 layer this small (K x joined rows) runs un
 SKIP_REASON = ("the campaign's model has no auxiliary GEMV projections to screen and the campaign states no "
                "overlap shapes")
 STATED = ("K", "segments", "gemm_n")  # overlap keys that state the shapes: all three, or none
-# DeepSeek-V4 configs (transformers' DeepseekV4Config) carry these compressor fields; a DeepSeek-V2 config has none
-COMPRESSOR_FIELDS = ("compress_rates", "compress_ratios")
 CSV_HEADER = "envelope,block,trial,variant,us\n"
 VERDICTS = ("b_faster", "no_claim", "b_slower", "bitwise_mismatch", NOT_MEASURED)
 
@@ -187,30 +200,16 @@ def _kernels(device: str):
 
 
 def model_shapes(model: dict) -> dict | None:
-    """The screened projections of a DeepSeek-V4-style model (transformers' DeepseekV4Config names), all reading
-    hidden_size: a C4 layer's compressor kv_proj + gate_proj (2 x 2*head_dim), its indexer's kv_proj + gate_proj
-    (2 x 2*index_head_dim) and scorer weights_proj (index_n_heads), beside q_a_proj (q_lora_rank) and kv_proj
-    (head_dim) on the main stream. None for a model without a compressor (DeepSeek-V2). A `deepseek_v4` config is
-    read as the engine reads it (engine.config.V4Args: transformers' defaults for absent fields, the layer schedule
-    derived): None when none of its layers is a C4 (compressed sparse attention) layer."""
-    if model.get("model_type") == V4:
-        from evident.engine.config import CSA, args_from_hf
-
-        a = args_from_hf(model)
-        if CSA not in a.layer_types:
-            return None
-        model = {f: getattr(a, f) for f in ("hidden_size", "head_dim", "index_head_dim", "index_n_heads",
-                                            "q_lora_rank")}
-    elif all(model.get(f) is None for f in COMPRESSOR_FIELDS):
+    """The screened projections of the model (its family's `overlap_fields`: transformers' DeepseekV4Config names),
+    all reading hidden_size: a C4 layer's compressor kv_proj + gate_proj (2 x 2*head_dim), its indexer's kv_proj +
+    gate_proj (2 x 2*index_head_dim) and scorer weights_proj (index_n_heads), beside q_a_proj (q_lora_rank) and
+    kv_proj (head_dim) on the main stream. None for a model without them."""
+    fields = families.of(model).overlap_fields(model)
+    if fields is None:
         return None
-    missing = [f for f in ("hidden_size", "head_dim", "index_head_dim", "index_n_heads", "q_lora_rank")
-               if model.get(f) is None]
-    if missing:
-        raise ValueError(f"checkpoint.config has compressor fields but not {', '.join(missing)}: the screened "
-                         "shapes cannot be derived")
-    d, di = model["head_dim"], model["index_head_dim"]
-    return {"K": model["hidden_size"], "segments": [2 * 2 * d, 2 * 2 * di, model["index_n_heads"]],
-            "gemm_n": model["q_lora_rank"] + d}
+    d, di = fields["head_dim"], fields["index_head_dim"]
+    return {"K": fields["hidden_size"], "segments": [2 * 2 * d, 2 * 2 * di, fields["index_n_heads"]],
+            "gemm_n": fields["q_lora_rank"] + d}
 
 
 def shapes_of(config: dict, cuda: bool) -> dict | None:
@@ -243,25 +242,10 @@ def shapes_of(config: dict, cuda: bool) -> dict | None:
 
 
 def layer_weights(ckpt: Path, model: dict, dtype: str) -> tuple[dict, tuple]:
-    """The first C4 (compressed sparse attention) layer's own weights, as the engine's graph step runs them: the
-    auxiliary rows joined in launch order (compressor kv_proj, gate_proj; indexer kv_proj, gate_proj, weights_proj)
-    and the GEMM's (q_a_proj, kv_proj), in the campaign's dtype, every output in it too. (record, (w, wg))."""
-    from evident.engine.checkpoint import read_tensors
-    from evident.engine.config import CSA, args_from_hf
-    from evident.engine.v4_checkpoint import engine_name
-
-    layer = args_from_hf(model).layer_types.index(CSA)
-    a, c, i = f"layers.{layer}.self_attn", f"layers.{layer}.self_attn.compressor", \
-        f"layers.{layer}.self_attn.compressor.indexer"
-    aux = [f"{c}.kv_proj", f"{c}.gate_proj", f"{i}.kv_proj", f"{i}.gate_proj", f"{i}.scorer.weights_proj"]
-    main = [f"{a}.q_a_proj", f"{a}.kv_proj"]
-    want = {n + ".weight" for n in aux + main}
-    tensors = read_tensors(str(ckpt), skip=lambda name: engine_name(name) not in want)[0]
-    by = {key: t for key, t in ((engine_name(k), t) for k, t in tensors.items()) if key in want}
-    dt = checkpoints.DTYPES[dtype]
-    w = torch.cat([by[n + ".weight"] for n in aux]).to(dt)
-    wg = torch.cat([by[n + ".weight"] for n in main]).to(dt)
-    return {"layer": layer, "aux": aux, "gemm": main, "dtype": dtype}, (w, wg)
+    """The screened layer's own weights (its family's `own_layer`: the auxiliary rows joined in launch order and the
+    GEMM's), in the campaign's dtype, every output in it too. (record, (w, wg))."""
+    record, weights = families.of(model).own_layer(ckpt, model, checkpoints.DTYPES[dtype])
+    return {**record, "dtype": dtype}, weights
 
 
 def measure(made: tuple, label: str, cfg: dict, device: str, not_timed: str) -> tuple[dict, dict, list[list]]:
@@ -362,7 +346,7 @@ def write_screen(st: Stage, evidence: Path, doc: dict, rows: list[list]) -> dict
 
 def run(evidence: Path, ckpt: Path | None = None) -> dict:
     """Every screen of the campaign; returns the built-in screen's document (overlap/screen.json)."""
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / CONFIG)
     cfg = config["overlap"]
     own = config.get("screens") or []
     device = resolve_device(config["device"])
@@ -371,7 +355,7 @@ def run(evidence: Path, ckpt: Path | None = None) -> dict:
         shapes = shapes_of(config, cuda)
         weights = None
         if shapes is not None and shapes["source"] == "model" and ckpt is not None:
-            # the campaign's own C4 layer: its weights, its K and N, and its dtype for the weights and outputs
+            # the campaign's own layer: its weights, its K and N, and its dtype for the weights and outputs
             record, weights = layer_weights(ckpt, config["checkpoint"]["config"], config["dtype"])
             shapes = {**shapes, "weights": record, "dtype": config["dtype"],
                       "segment_dtypes": [config["dtype"]] * len(shapes["segments"])}
@@ -400,7 +384,7 @@ def run(evidence: Path, ckpt: Path | None = None) -> dict:
             entries.append(write_screen(st, evidence, docs[e["name"]], rows))
         verdict, reason = stage_verdict(entries)
         if own:  # without screens of its own the built-in's screen.json is the stage's, as it always was
-            st.write_json(screens.INDEX, {"verdict": verdict, "reason": reason, "screens": entries})
+            st.write_json(SCREENS, {"verdict": verdict, "reason": reason, "screens": entries})
             print(f"[overlap] stage verdict {verdict}: {reason}", flush=True)
         st.tags[OVERLAP_GATE.tag] = verdict
     return docs[screens.BUILTIN]

@@ -14,7 +14,7 @@ A batch of B >= 2 also runs ragged, in float32 (`ragged`): row r the prompt of c
 lengths prefilled together, greedy; each row must decode as its prompt alone does through the same path, within the
 logic tolerance (two float32 computations of a row cannot both prefer different tokens by more than it). A
 same-prompt batch has no padding to get wrong; in bf16 on random weights rounding hides what float32 shows
-(engine/DECODE.md, "Batched prefill").
+(docs/decode-log.md, "Batched prefill").
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ import torch
 
 from evident.engine.checkpoint import CheckpointError
 from evident.engine.generate import Generation, forced, generate
-from evident.workflow import logprobs, replay
-from evident.workflow.checkpoints import CheckpointInvalid
-from evident.workflow.evidence import read_json
-from evident.workflow.traces import first_difference, first_row_mismatch, token_row
-from evident.workflow.runs import label, run_name
-from evident.workflow.session import Session, engine_args, engine_stage
+from evident.workflow.bench import replay
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_json
+from evident.workflow.models.checkpoints import CheckpointInvalid
+from evident.workflow.models.session import Session, engine_args, engine_stage
+from evident.workflow.parity import logprobs
+from evident.workflow.parity.traces import first_difference, first_row_mismatch, token_row
+from evident.workflow.plan.runs import label, run_name
 
 
 def run_batch(s: Session, batch: int, name: str) -> list[dict]:
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     args = engine_args(__doc__).parse_args(argv)
     try:
         with engine_stage("parity", args) as (st, s):
-            oracle = read_json(args.evidence / "oracle/hf.json")  # the forced runs follow its traces
+            oracle = read_json(args.evidence / layout.ORACLE)  # the forced runs follow its traces
             dtypes, runs = logprobs.dtypes(s.config["dtype"]), {}
             for batch in args.batch_sizes:
                 name = label(args.backend, args.kernels, batch)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 if s.primary and record["ragged"]:
                     print(f"[parity {name}] ragged batch in float32, each row against its prompt alone: "
                           f"{record['ragged']['verdict']}", flush=True)
-                st.write_json(f"parity/{name}.json", record)
+                st.write_json(layout.parity_run(name), record)
                 st.metrics[f"b{batch}_rows_identical"] = float(all(c["rows_identical"] for c in cases))
                 if s.primary:
                     print(f"[parity {name}] teacher-forced along the oracle's traces in {', '.join(dtypes)}", flush=True)

@@ -1,4 +1,4 @@
-"""Stage `parity_target`: one engine target of `engines:` (workflow/targets.py) on the oracle's cases, as `parity` runs
+"""Stage `parity_target`: one engine target of `engines:` (workflow/plan/targets.py) on the oracle's cases, as `parity` runs
 the builtin engine: parity/<name>-b<B>.json per batch size, the same record where the target gives the same facts.
 
 - `openai`: per case, B concurrent requests (greedy, max_tokens the case's max_new_tokens, no stop strings). Where
@@ -30,9 +30,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from evident.engine.checkpoint import eos_ids
-from evident.workflow import checkpoints, environment, recipes, targets
-from evident.workflow.evidence import Stage, read_config, read_json, stage_args, text_sha256
-from evident.workflow.traces import first_row_mismatch, token_row as parity_row
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args, text_sha256
+from evident.workflow.models import checkpoints
+from evident.workflow.parity.traces import first_row_mismatch
+from evident.workflow.parity.traces import token_row as parity_row
+from evident.workflow.plan import environment, recipes, targets
 
 
 def token_row(tok: Tokenizer, ids: list[int], served: str | None = None) -> dict:
@@ -110,7 +113,8 @@ def command_batch(spec: dict, oracle: dict, cases: list[dict], batch: int, tok: 
                "cases": [{"name": c["name"], "prompt_ids": oracle[c["name"]]["prompt_ids"],
                           "max_new_tokens": c["max_new_tokens"], "forced_ids": oracle[c["name"]]["generated_ids"],
                           "score_ids": oracle[c["name"]]["reference"]["top_ids"]} for c in cases]}
-    trace = targets.run_command(spec, request, evidence / f"logs/parity-{name}", evidence / f"logs/parity-{name}-command.log",
+    trace = targets.run_command(spec, request, evidence / layout.LOGS / f"parity-{name}",
+                                evidence / layout.log(f"parity-{name}-command"),
                                 checkpoint=ckpt.resolve(), dtype=dtype, device=device, **values)
     out = []
     for case, got in zip(cases, trace["cases"]):
@@ -128,14 +132,14 @@ def command_batch(spec: dict, oracle: dict, cases: list[dict], batch: int, tok: 
 
 
 def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[int, dict]:
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / layout.CONFIG)
     name, kind = spec["name"], spec["kind"]
     device = environment.resolve_device(config["device"])
     dtype = spec.get("dtype") or config["dtype"]
     with Stage(evidence, f"parity-{name}", params={"target": name, "kind": kind, "dtype": dtype, "device": device,
                                                   "batch_sizes": batch_sizes}) as st:
-        checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
-        oracle_doc = read_json(evidence / "oracle/hf.json")
+        checkpoints.verify(ckpt, read_json(evidence / layout.CHECKPOINT))
+        oracle_doc = read_json(evidence / layout.ORACLE)
         oracle = {c["name"]: c for c in oracle_doc["cases"]}
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         cases, top_k = config["cases"], oracle_doc["reference"]["top_k"]
@@ -145,7 +149,7 @@ def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[
               + f"; weights {dtype}, KV cache {info['kv_cache_dtype']}", flush=True)
         records = {}
         if kind == "openai":
-            log = evidence / f"logs/parity-{name}-server.log"
+            log = evidence / layout.log(f"parity-{name}-server")
             with targets.endpoint(spec, ckpt, dtype, device, log, values) as base:
                 client = targets.Client(base).connect()
                 offered = targets.offers(client, oracle[cases[0]["name"]]["prompt_ids"], top_k, spec.get("dialect", "openai"))
@@ -163,7 +167,7 @@ def run(ckpt: Path, evidence: Path, spec: dict, batch_sizes: list[int]) -> dict[
                                                    values)
                 info["engine"] = info["engine"] or engine
         for b, recs in records.items():
-            st.write_json(f"parity/{name}-b{b}.json", {
+            st.write_json(layout.parity_run(f"{name}-b{b}"), {
                 "engine": f"engines: {name} ({kind})", "backend": name, "kernels": kind, "target": info,
                 "dtype": config["dtype"], "device": device, "batch": b, "cases": recs})
             st.metrics[f"b{b}_rows_identical"] = float(all(c["rows_identical"] for c in recs))

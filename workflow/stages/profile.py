@@ -6,9 +6,9 @@ same names as torch.profiler record_function ranges), after one untimed warm-up 
 (`profile.tool`, auto = the first that can run): `ncu --clock-control none` over the decode steps (CUDA
 profiler API range), else `nsys` (same range), else torch.profiler (CPU ops on the CPU, CUDA kernels on a
 GPU) with a Chrome trace. The evidence records which tool ran and why each other did not. The workload and the
-tools are workflow/profilers.py.
+tools are workflow/bench/profilers.py.
 
-The floor (workflow/floor.py): the bytes a decode step must read (every weight once, but only the batch's
+The floor (workflow/bench/floor.py): the bytes a decode step must read (every weight once, but only the batch's
 embedding rows and the k routed experts a layer that identical rows choose, plus the latent cache; the vocabulary
 projection's int8 screen in place of its weight where the captured steps picked through it), over the read
 bandwidth measured on the same device, against the captured steps' kernel time.
@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from evident.workflow import privacy, profilers
-from evident.workflow.environment import resolve_device
-from evident.workflow.evidence import Stage, read_config, stage_args, write_bytes, write_text
-from evident.workflow.floor import floor
-from evident.workflow.plots import figure, save_png
+from evident.workflow.bench import profilers
+from evident.workflow.bench.floor import floor
+from evident.workflow.core import layout, privacy
+from evident.workflow.core.evidence import Stage, read_config, stage_args, write_bytes, write_text
+from evident.workflow.core.plots import figure, save_png
+from evident.workflow.plan.environment import resolve_device
 
 CSV_HEADER = ["kernel", "calls", "total_us", "mean_us", "share_pct"]
 
@@ -60,7 +61,7 @@ def plot(cap: dict, path: Path, top: int) -> Path:
 
 
 def run(ckpt: Path, evidence: Path) -> dict:
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / layout.CONFIG)
     cfg = config["profile"]
     device = resolve_device(config["device"])
     cuda = device.startswith("cuda")
@@ -68,7 +69,7 @@ def run(ckpt: Path, evidence: Path) -> dict:
     params = {"tool": cfg["tool"], "steps": cfg["steps"], "batch": cfg["batch"], "device": device,
               "kernels": config.get("bench", {}).get("kernels", "torch")}
     with Stage(evidence, "profile", params=params) as st:
-        log = evidence / "logs/profile-tool.log"
+        log = evidence / layout.log("profile-tool")
         log.parent.mkdir(parents=True, exist_ok=True)
         cap, trace, tool = None, None, None
         with tempfile.TemporaryDirectory(prefix="evident-profile-") as d:
@@ -102,13 +103,13 @@ def run(ckpt: Path, evidence: Path) -> dict:
                              per_step, cap.pop("vocabulary_screened"))
         cap["top"] = kernels[: cfg["top"]]
         cap["kernel_count"] = len(kernels)
-        st.add_file(write_text(evidence / "profile/kernels.csv", ",".join(CSV_HEADER) + "\n" + "".join(
+        st.add_file(write_text(evidence / layout.KERNEL_TABLE, ",".join(CSV_HEADER) + "\n" + "".join(
             f"{json.dumps(k['kernel'])},{k['calls']},{k['total_us']:.3f},{k['mean_us']:.3f},{k['share_pct']:.3f}\n"
             for k in kernels)))
         if trace is not None:
-            st.add_file(write_bytes(evidence / "profile/trace.json.gz", trace))
-        st.add_file(plot({**cap, "kernels": kernels}, evidence / "plots/profile.png", cfg["top"]))
-        st.write_json("profile/capture.json", privacy.scrub_json(cap))
+            st.add_file(write_bytes(evidence / layout.TRACE, trace))
+        st.add_file(plot({**cap, "kernels": kernels}, evidence / layout.PROFILE_PLOT, cfg["top"]))
+        st.write_json(layout.CAPTURE, privacy.scrub_json(cap))
         st.tags["profile.tool"] = tool
         st.metrics["kernels"] = len(kernels)
         st.metrics["launches"] = cap["launches"]

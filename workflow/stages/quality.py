@@ -4,12 +4,12 @@ Targets (`quality.targets`): `hf` (transformers' own model, in process, as the o
 (this project's engine behind its OpenAI-compatible endpoint, `python -m evident.engine.serve`, started here on a
 free port of 127.0.0.1, polled for readiness, always stopped; its log is logs/quality-engine-server.log), the name
 of an `engines:` entry of kind openai (its url, or its serve command started and stopped as the engine's server is,
-logged to logs/quality-<name>-server.log; workflow/targets.py) and `{name, url}` (any OpenAI-compatible
+logged to logs/quality-<name>-server.log; workflow/plan/targets.py) and `{name, url}` (any OpenAI-compatible
 `/v1/completions` endpoint). Same data, same contract for all
-(workflow/gsm8k.py). Outputs: quality/gsm8k-<target>.json, quality/gsm8k-<target>-rows.jsonl and
+(workflow/parity/gsm8k.py). Outputs: quality/gsm8k-<target>.json, quality/gsm8k-<target>-rows.jsonl and
 quality/gsm8k-gate.json; the verdict is the stage's tag `quality.verdict` (the gate fails the run on
 anything but `pass`, after sealing, unless `quality.advisory`). On random weights (checkpoint.source synthetic) the
-only claim is identical completions: anything else is `no_claim` (workflow/gsm8k.py gate).
+only claim is identical completions: anything else is `no_claim` (workflow/parity/gsm8k.py gate).
 """
 
 from __future__ import annotations
@@ -21,11 +21,17 @@ from pathlib import Path
 
 import torch
 
-from evident.workflow import checkpoints, environment, gsm8k, hf, targets
-from evident.workflow.evidence import Stage, read_config, read_json, stage_args, write_text
-from evident.workflow.gates import BY_NAME
+from evident.engine.config import read_config as read_hf_config  # a checkpoint's config.json
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args, write_text
+from evident.workflow.core.gates import BY_NAME
+from evident.workflow.core.verdicts import QUALITY
+from evident.workflow.models import checkpoints, hf
+from evident.workflow.parity import gsm8k
+from evident.workflow.plan import environment, targets
 
 QUALITY_GATE = BY_NAME["quality"]
+ENGINE_LOG = layout.log("quality-engine-server")  # the engine's own server, which the stage starts
 NOTE_RANDOM = ("the checkpoint has random (synthetic) weights: accuracy means nothing there, so the gate passes only "
                "on identical completions and otherwise makes no claim; it says nothing about model quality")
 
@@ -86,7 +92,7 @@ def run_endpoint(base: str, items: list[dict], cfg: dict, log, name: str) -> lis
 
 def run_engine(ckpt: Path, evidence: Path, items: list[dict], cfg: dict, dtype: str, device: str, log) -> tuple[list[str], dict]:
     """The engine behind its endpoint (engine_server), evaluated like any endpoint."""
-    with targets.engine_server(ckpt, device, dtype, evidence / "logs/quality-engine-server.log") as (base, ready):
+    with targets.engine_server(ckpt, device, dtype, evidence / ENGINE_LOG) as (base, ready):
         log(f"engine server ready on 127.0.0.1 after {ready:.1f}s")
         texts = run_endpoint(base, items, cfg, log, "engine")
     return texts, {"implementation": "engine/ through its OpenAI-compatible endpoint (python -m evident.engine.serve, "
@@ -100,7 +106,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
         endpoints: dict[str, str] | None = None, engines: dict[str, dict] | None = None) -> dict:
     """endpoints: the URLs of `{name, url}` targets; engines: the `engines:` entries named as targets (their URLs and
     commands: the evidence config records hashes and redacted paths only)."""
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / layout.CONFIG)
     q = config["quality"]
     cfg = q["gsm8k"]
     device = environment.resolve_device(config["device"])
@@ -112,7 +118,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
               "fail_on_flips": q["fail_on_flips"], "advisory": q["advisory"], "source": cfg["source"],
               "limit": cfg["limit"], "shots": cfg["shots"], "max_tokens": cfg["max_tokens"], "match": cfg["match"], "device": device, "dtype": config["dtype"]}
     with Stage(evidence, "quality", params=params) as st:
-        checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
+        checkpoints.verify(ckpt, read_json(evidence / layout.CHECKPOINT))
         test, test_m = gsm8k.load_split(cfg, "test", test_path)
         train, train_m = gsm8k.load_split(cfg, "train", train_path)
         if len(test) < cfg["limit"]:
@@ -120,7 +126,7 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
         items = gsm8k.build_prompts(test, train, cfg["limit"], cfg["shots"])
         data = {"test": test_m, "train": train_m}
         contract = gsm8k.contract(cfg)
-        limit = json.loads((ckpt / "config.json").read_text()).get("max_position_embeddings")
+        limit = read_hf_config(ckpt).get("max_position_embeddings")
         if limit:
             from tokenizers import Tokenizer
 
@@ -142,12 +148,12 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
                 texts, meta = run_hf(ckpt, items, cfg, config["dtype"], device, log)
             elif t == "engine":
                 texts, meta = run_engine(ckpt, evidence, items, cfg, config["dtype"], device, log)
-                st.add_file(evidence / "logs/quality-engine-server.log")
+                st.add_file(evidence / ENGINE_LOG)
             elif isinstance(t, str):  # an `engines:` entry: its url, or its server started here
                 spec = (engines or {}).get(name)
                 if spec is None:
                     raise ValueError(f"quality.targets: {name!r} needs its `engines:` entry (--engines JSON)")
-                server_log = evidence / f"logs/quality-{name}-server.log"
+                server_log = evidence / layout.log(f"quality-{name}-server")
                 with targets.endpoint(spec, ckpt, spec.get("dtype") or config["dtype"], device, server_log) as base:
                     texts = run_endpoint(base, items, cfg, log, name)
                 if server_log.is_file():
@@ -164,8 +170,8 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
             rows, summary = gsm8k.score(items, texts, cfg["match"])
             res = {"target": name, **meta, "contract": contract, "data": data, **summary,
                    "seconds": round(time.perf_counter() - t0, 3), "device": device, "dtype": config["dtype"]}
-            st.write_json(gsm8k.RESULT.format(target=name), res)
-            p = evidence / gsm8k.ROWS.format(target=name)
+            st.write_json(layout.quality_result(name), res)
+            p = evidence / layout.quality_rows(name)
             st.add_file(write_text(p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)))
             results[name], rows_of[name] = res, rows
             st.metrics[f"{name}_correct"] = res["correct"]
@@ -178,12 +184,12 @@ def run(ckpt: Path, evidence: Path, test_path: str | None = None, train_path: st
         gates = [gsm8k.gate(results[ref], results[n], rows_of[ref], rows_of[n], q["tolerance"], q["fail_on_flips"],
                             random)
                  for n in names if n != ref]
-        verdict = max((g["verdict"] for g in gates), key=gsm8k.VERDICTS.index) if gates else "no_claim"
+        verdict = max((g["verdict"] for g in gates), key=QUALITY.index) if gates else "no_claim"
         doc = {"verdict": verdict, "advisory": q["advisory"], "reference": ref, "gates": gates,
                "random_weights": random, "note": NOTE_RANDOM if random else None,
                "reason": "; ".join(f"{g['candidate']}: {g['reason']}" for g in gates)
                          or "no candidate beside the reference: nothing compared"}
-        st.write_json(gsm8k.GATE, doc)
+        st.write_json(layout.QUALITY_GATE, doc)
         st.tags[QUALITY_GATE.tag] = verdict
         st.metrics["flips"] = sum(len(g["flips"]) for g in gates)
         # completions that differ only in U+FFFD (undecodable bytes rendered otherwise): not identical, named apart

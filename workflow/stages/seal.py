@@ -6,14 +6,22 @@ and the manifest records tracking as pending; `evident sync` replays it later.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from evident.workflow import gates, privacy, tracking
-from evident.workflow.evidence import (DETAILS, SUMMARY, config_hash, read_config, read_json, stage_records, write_manifest,
-                                       write_text)
-from evident.workflow.summary import render, render_details
+from evident.workflow import tracking
+from evident.workflow.archive.summary import render, render_details
+from evident.workflow.core import gates, layout, privacy
+from evident.workflow.core.evidence import (
+    config_hash,
+    read_config,
+    read_json,
+    stage_args,
+    stage_records,
+    write_manifest,
+    write_text,
+)
+from evident.workflow.core.layout import DETAILS, SUMMARY
 
 
 def _reason(exc: Exception) -> str:
@@ -38,15 +46,14 @@ def remove_stale_temps(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--evidence", required=True, type=Path)
+    ap = stage_args(__doc__)
     ap.add_argument("--commit", default="")
     ap.add_argument("--dirty", default="")
     ap.add_argument("--tracking-uri", default=None, help="else MLFLOW_TRACKING_URI, else MLflow's default store")
     ap.add_argument("--no-tracking", action="store_true")
     args = ap.parse_args(argv)
     root = args.evidence
-    config = read_config(root / "config.yaml")
+    config = read_config(root / layout.CONFIG)
     git = {"commit": args.commit or None, "dirty": args.dirty or None}
     scrub_logs(root)
     remove_stale_temps(root)

@@ -13,7 +13,7 @@ prompt contracts are the in-process bench's: `bench.prompt` on every request, an
 of a round sends prompts[r] (cells `http-<target>-distinct-c<C>`). A cell whose requests did not each give
 new_tokens tokens, or did not stream them, is written with its raw requests and `refused` (why): no figure.
 bench_report puts the builtin engine's cells beside its in-process cells. Before every measured round the in-process
-bench's machine probe (workflow/machine.py) is timed on the host's CPU (the client's and, here, the server's
+bench's machine probe (workflow/bench/machine.py) is timed on the host's CPU (the client's and, here, the server's
 host; `probe_ms`), for the claims between two directories.
 """
 
@@ -31,10 +31,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from evident.workflow import checkpoints, environment, machine, targets
-from evident.workflow.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
-from evident.workflow.evidence import Stage, read_config, read_json, stage_args
-from evident.workflow.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
+from evident.workflow.bench import machine
+from evident.workflow.bench.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args
+from evident.workflow.models import checkpoints
+from evident.workflow.plan import environment, targets
+from evident.workflow.plan.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
 
 USAGE = {"stream_options": {"include_usage": True}}
 # what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
@@ -174,7 +177,7 @@ def bench_cell(client: targets.Client, bench: dict, texts: list[str], prompts: s
 
 
 def run(ckpt: Path, evidence: Path, spec: dict) -> None:
-    config = read_config(evidence / "config.yaml")
+    config = read_config(evidence / layout.CONFIG)
     bench, name, kind = config["bench"], spec["name"], spec["kind"]
     device = environment.resolve_device(config["device"])
     dtype = spec.get("dtype") or config["dtype"]
@@ -183,10 +186,10 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
     params = {"target": name, "kind": kind, "concurrency": bench["http"]["concurrency"], "dtype": dtype,
               "device": where, **({"kernels": bench["kernels"]} if builtin else {})}
     with Stage(evidence, f"serve_bench-{name}", params=params) as st:
-        checkpoints.verify(ckpt, read_json(evidence / "checkpoint.json"))
+        checkpoints.verify(ckpt, read_json(evidence / layout.CHECKPOINT))
         tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
         versions, model = measured_with(evidence)
-        server_log = evidence / f"logs/serve_bench-{name}-server.log"
+        server_log = evidence / layout.log(f"serve_bench-{name}-server")
 
         def log(msg: str) -> None:
             print(f"[serve_bench {name}] {msg}", flush=True)
@@ -209,7 +212,7 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
                     texts = prompt_texts(bench, c, prompts)
                     cell = bench_cell(client, bench, texts, prompts, extra, tok, log)
                     label = http_cell(name, c, prompts)
-                    st.write_json(f"bench/{label}.json", {
+                    st.write_json(layout.bench_cell(label), {
                         "target": name, "kind": kind, "concurrency": c,
                         **({"kernels": bench["kernels"]} if builtin else {}), "dtype": dtype, "device": where,
                         "contract": contract(bench, texts, tok, prompts, c, extra, dtype, where, eos),

@@ -1,0 +1,1 @@
+"""Checkpoints and models: synthetic, trained, local and hub checkpoints; transformers' model; engine sessions."""

@@ -1,0 +1,1 @@
+"""The parity checks' maths: traces, log-probabilities, and GSM8K's data, scoring and gate."""
