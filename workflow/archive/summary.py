@@ -634,7 +634,7 @@ def http_section(root: Path, frames=None, config: dict | None = None) -> list[st
 
 def _bench_cells(root: Path) -> list[dict]:
     """The directory's bench cell records (bench/<cell>.json; summary.csv and baseline.json are not cells)."""
-    cells = [read_json(p) for p in sorted((root / "bench").glob("*-b*.json"))]
+    cells = [read_json(p) for p in sorted((root / layout.BENCH).glob("*-b*.json"))]
     return [c for c in cells if isinstance(c, dict) and "backend" in c and "stats" in c]
 
 

@@ -97,6 +97,7 @@ def benchmark(rule: str) -> str:
     return f"{LOGS}/{rule}.benchmark.tsv"
 
 
+_BUILTIN, _OWN = screen_files("", True), screen_files("<name>", False)
 # The contract: (path, who writes it, what it holds). `<x>` is a part that varies. Sealing hashes every file into
 # MANIFEST.json, which is written last.
 FILES = (
@@ -111,12 +112,12 @@ FILES = (
     (BENCH_TABLE, "bench_report", "one row per bench cell"),
     (BASELINE, "bench_report", "each cell against `bench.baseline`'s directory"),
     (BENCH_PLOT, "bench_report", "TPOT and throughput by batch size"),
-    (screen_files("", True)["screen"], "overlap", "the built-in screen: bitwise check and timings' verdict"),
-    (screen_files("", True)["timings"], "overlap", "the built-in screen's repeats"),
-    (screen_files("", True)["plot"], "overlap", "the built-in screen's plot"),
-    (screen_files("<name>", False)["screen"], "overlap", "a screen of the campaign's `screens:`"),
-    (screen_files("<name>", False)["timings"], "overlap", "that screen's repeats"),
-    (screen_files("<name>", False)["plot"], "overlap", "that screen's plot"),
+    (_BUILTIN["screen"], "overlap", "the built-in screen: bitwise check and timings' verdict"),
+    (_BUILTIN["timings"], "overlap", "the built-in screen's repeats"),
+    (_BUILTIN["plot"], "overlap", "the built-in screen's plot"),
+    (_OWN["screen"], "overlap", "a screen of the campaign's `screens:`"),
+    (_OWN["timings"], "overlap", "that screen's repeats"),
+    (_OWN["plot"], "overlap", "that screen's plot"),
     (SCREENS, "overlap", "every screen's verdict, where the campaign has screens of its own"),
     (AUDIT, "kernel_audit", "each Triton kernel's registers and spills on the campaign's shapes"),
     (quality_result("<target>"), "quality", "a target's GSM8K score and contract"),

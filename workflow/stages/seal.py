@@ -32,7 +32,7 @@ def _reason(exc: Exception) -> str:
 
 def scrub_logs(root: Path) -> None:
     """Stage logs are raw tool output: the home directory, user and host names out of them (privacy.scrub)."""
-    for log in sorted((root / "logs").glob("*.log")):
+    for log in sorted((root / layout.LOGS).glob("*.log")):
         original = log.read_text(errors="replace")
         if (text := privacy.scrub(original)) != original:
             write_text(log, text)
