@@ -42,6 +42,7 @@ if not SEALED:
     include: "workflow/rules/compare.smk"
     include: "workflow/rules/bench.smk"
     include: "workflow/rules/serve_bench.smk"
+    include: "workflow/rules/soak.smk"
     include: "workflow/rules/bench_report.smk"
     include: "workflow/rules/overlap.smk"
     include: "workflow/rules/kernel_audit.smk"

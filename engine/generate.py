@@ -69,7 +69,8 @@ def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]], s
 
     The rows go through together: one forward of the batch right-padded to its longest prompt, for a model that takes
     padding; else (DeepSeek-V4, whose window and compressor state a padded token would overwrite) one forward per
-    prompt length, each over the rows of that length.
+    prompt length, each over the rows of that length. On the graph path that forward is its captured prefill
+    (``GraphDecode.prefill``).
     """
     device = model.embed_tokens.weight.device
     groups: dict[int, list[int]] = {}
@@ -81,8 +82,12 @@ def _prefill(model: Transformer, cache: LatentCache, prompts: list[list[int]], s
         width = max(lengths)
         tokens = torch.tensor([prompts[i] + [prompts[i][-1]] * (width - len(prompts[i])) for i in group],
                               dtype=torch.long, device=device)
-        extra = {} if len(set(lengths)) == 1 else {"lengths": torch.tensor(lengths, device=device)}
-        logits = model(tokens, cache, torch.tensor([slots[i] for i in group], device=device), **extra)
+        rows = torch.tensor([slots[i] for i in group], device=device)
+        if getattr(model.graph_decode, "prefill", None) is not None:  # captured, as the step (engine/graph_decode.py)
+            logits = model.graph_decode.prefill(cache, tokens, rows, torch.tensor(lengths, device=device))
+        else:
+            extra = {} if len(set(lengths)) == 1 else {"lengths": torch.tensor(lengths, device=device)}
+            logits = model(tokens, cache, rows, **extra)
         for k, i in enumerate(group):
             out[i] = logits[k, :lengths[k]]
     return out

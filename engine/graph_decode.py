@@ -23,7 +23,9 @@ memory, which a graph cannot hold, so that backend runs the same step eagerly.
 
 The routed experts' parameters are re-seated as views of the stacks, so nothing is held twice; the shared
 slices are copies (the prefill keeps the shared MLP's own weights). Prefill stays on the model's ordinary
-forward, into the same cache. Without CUDA the step runs eagerly (the kernels through Triton's interpreter, or
+forward, into the same cache, with the dense projections' kernels of at most 16 rows attached and each MoE layer's
+routed experts through ``kernels.moe`` over the stacks (``decode_kernels.experts_kernel``: no per-expert loop, no
+host sync). Without CUDA the step runs eagerly (the kernels through Triton's interpreter, or
 their torch fallbacks), which is how CI tests it. A model with rope on the halves (DeepSeek-V3's rope_interleave
 false) has its rope rows permuted into interleaved pairs first (``_interleave_rope``), prefill included.
 """
@@ -32,33 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from evident.kernels.graphs import capture  # torch only: no Triton at engine import
 
 from . import decode_kernels
 from .config import V4
 from .model import LatentCache, MoE, Transformer, picks, project_pair
-
-
-def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [E_local + S, 2I, D] (gate rows then up rows) and w2 [E_local + S, D, I]: this rank's routed experts in
-    ascending id, then the shared MLP cut into S slices of I. The routed experts' weights become views of them."""
-    experts = [moe.experts[e] for e in sorted(moe.experts, key=int)]
-    inter = experts[0].gate_proj.weight.shape[0]
-    pairs = [(torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight) for m in experts]
-    if moe.shared_experts is not None:
-        sh = moe.shared_experts
-        for j in range(sh.gate_proj.weight.shape[0] // inter):
-            rows = slice(j * inter, (j + 1) * inter)
-            pairs.append((torch.cat([sh.gate_proj.weight[rows], sh.up_proj.weight[rows]]),
-                          sh.down_proj.weight[:, rows]))
-    w13, w2 = torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
-    for m, a, b in zip(experts, w13, w2):
-        m.gate_proj.weight = nn.Parameter(a[:inter], requires_grad=False)
-        m.up_proj.weight = nn.Parameter(a[inter:], requires_grad=False)
-        m.down_proj.weight = nn.Parameter(b, requires_grad=False)
-    return w13, w2
 
 
 def _remap(moe: MoE, n_routed: int, n_shared: int, ep) -> torch.Tensor | None:
@@ -108,6 +89,8 @@ class Held:
     # (B, logits wanted) -> {"graph", "logits", "ids", "margins", "counter"}: a graph for each width and kind stepped
     widths: dict = field(default_factory=dict)
     last: dict = field(default_factory=dict)  # B -> the state of that width stepped last, whose picks ``picks`` gives
+    # (B, W) -> {"graph", "logits", "tokens", "rows", "lengths"}: GraphDecode's captured prefills, the last used last
+    prefills: dict = field(default_factory=dict)
 
 
 class CapturedStep:
@@ -141,7 +124,8 @@ class CapturedStep:
         return held.cache
 
     def _drop(self, key) -> None:
-        for state in self.caches.pop(key).widths.values():
+        held = self.caches.pop(key)
+        for state in [*held.widths.values(), *held.prefills.values()]:
             if "graph" in state:  # not where its capture failed
                 state["graph"].reset()
 
@@ -209,18 +193,28 @@ class CapturedStep:
         return logits, ids, margins
 
 
+# The prefill (``GraphDecode.prefill``): captured in a CUDA graph per (rows, width rounded up to PREFILL_BUCKET) of at
+# most PREFILL_TOKENS tokens, the PREFILLS shapes used last kept per cache (each holds its logits and activations);
+# PREFILL_GRAPHS False: the eager forward (the A/B switch of tools/device_prefill.py).
+PREFILL_GRAPHS = True
+PREFILL_BUCKET = 16
+PREFILL_TOKENS = 1024
+PREFILLS = 4
+
+
 class GraphDecode(CapturedStep):
-    """Attached to a model by ``enable``; ``generate`` asks it for a cache and steps through it."""
+    """Attached to a model by ``enable``; ``generate`` asks it for a cache, prefills into it and steps through it."""
 
     def __init__(self, model: Transformer, projections: str = "triton"):
         _interleave_rope(model)  # rope on the halves: before the projections' kernels take their weights
         self.model, self.ep = model, model.ep
         if projections == "triton":  # the dense projections through kernels/gemv.py at batch 1 (PDL, fused pairs:
             # 5.05 against cuBLAS's 5.30 ms a step on an H200) and kernels/skinny.py above it (docs/decode-log.md). The
-            # routed experts have their own kernel, and the vocabulary projection is cuBLAS's at any batch.
+            # routed experts have their own kernel over this path's stacks (the MoE layers' too, for the prefill), and
+            # the vocabulary projection is cuBLAS's at any batch.
             routed = {id(m) for layer in model.layers if isinstance(layer.mlp, MoE) for m in layer.mlp.experts.modules()}
-            decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head,
-                                  max_rows=1, batched=True)
+            decode_kernels.enable(model, skip=lambda mod: id(mod) in routed or mod is model.lm_head or
+                                  isinstance(mod, MoE), max_rows=1, batched=True)
         # Triton is imported here, not with the engine: TRITON_INTERPRET is read when the kernels' decorators run
         from evident.kernels import head, mla, moe, norm, route
 
@@ -235,14 +229,17 @@ class GraphDecode(CapturedStep):
         # a graph holds device work only: the host-staged combine runs eagerly
         self.graphs = torch.cuda.is_available() and w.is_cuda and (self.ep is None or self.ep.backend == "collective")
         self.inv_freq = model.inv_freq.to(self.device)  # on the device: a host copy cannot be captured
+        model.inv_freq = self.inv_freq  # the forward's too: its prefill is captured
         self.stacks, self.routes = {}, {}
         for i, layer in enumerate(model.layers):
             if isinstance(layer.mlp, MoE):
                 moe = layer.mlp
-                self.stacks[i] = _stack_experts(moe)
+                self.stacks[i] = decode_kernels.stack_experts(moe, shared=True)
                 n_shared = self.stacks[i][0].shape[0] - len(moe.experts)
                 # the router's arguments besides x, fixed per layer
                 remap = _remap(moe, model.args.n_routed_experts, n_shared, self.ep)
+                # the prefill's routed experts through the same stacks (the shared MLP stays the layer's own)
+                moe.experts_kernel = decode_kernels.experts_kernel(*self.stacks[i], remap=remap)
                 self.routes[i] = dict(shared=n_shared, remap=remap, method=moe.routing, n_group=moe.n_group or 1,
                                       topk_group=moe.topk_group or 1,
                                       bias=getattr(moe.gate, "e_score_correction_bias", None))
@@ -258,6 +255,38 @@ class GraphDecode(CapturedStep):
         """Free what the path holds of its own on the device (the expert parameters stay, views of the stacks)."""
         super().release()
         self.stacks.clear()
+
+    # --- the prefill -------------------------------------------------------------------------
+    def prefill(self, cache: LatentCache, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor
+                ) -> torch.Tensor:
+        """tokens [B, W] (right-padded, ``lengths`` [B] each row's own) into emptied ``rows`` [B] of a cache from
+        ``cache()`` -> logits [B, W, vocab]: the model's forward, without a host synchronisation (the rows start at
+        0), captured once per (B, W rounded up) in a CUDA graph and replayed on the new inputs (their padding to the
+        rounded width computed, written past each row's length and never read). Without CUDA, or for more than
+        PREFILL_TOKENS tokens, the forward itself."""
+        B, W = tokens.shape
+        width = min(-(-W // PREFILL_BUCKET) * PREFILL_BUCKET, cache.max_len)
+        if not (self.graphs and PREFILL_GRAPHS) or B * width > PREFILL_TOKENS:
+            return self.model(tokens, cache, rows, lengths, start=0)
+        held = self._held(cache, "prefill")
+        state = held.prefills.pop((B, width), None)
+        if state is None:
+            while len(held.prefills) >= PREFILLS:
+                held.prefills.pop(next(iter(held.prefills)))["graph"].reset()
+            state = {k: torch.zeros(*shape, dtype=torch.long, device=self.device)
+                     for k, shape in (("tokens", (B, width)), ("rows", (B,)), ("lengths", (B,)))}
+        state["tokens"][:, :W].copy_(tokens)
+        state["tokens"][:, W:].copy_(tokens[:, -1:].expand(B, width - W))
+        state["rows"].copy_(rows)
+        state["lengths"].copy_(lengths)
+        if "graph" not in state:
+            before = cache.lengths.clone()  # the warm-up's advance, put back before the capture
+            state["graph"], state["logits"] = capture(
+                lambda: self.model(state["tokens"], cache, state["rows"], state["lengths"], start=0),
+                undo=lambda: cache.lengths.copy_(before))
+        held.prefills[(B, width)] = state  # the most recently used last
+        state["graph"].replay()
+        return state["logits"][:, :W].clone()  # the graph's own buffer, rewritten by the next replay
 
     # --- the step ----------------------------------------------------------------------------
     def _step_pick(self, cache: LatentCache, inputs: torch.Tensor, counter: torch.Tensor, logits: bool = True):

@@ -254,6 +254,9 @@ class MoE(nn.Module):
         n_shared = args.n_shared_experts or 0
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * n_shared, args.mlp_bias)
                                if n_shared > 0 else None)
+        # (x [N, dim], idx, weights) -> the routed experts' weighted sum [N, dim] fp32 (this rank's partial), or None
+        # for the loop below: kernels.moe's grouped experts, attached by the triton and graph paths
+        self.experts_kernel = None
 
     def _groups_kept(self, scores: torch.Tensor, group_score, fill: float) -> torch.Tensor:
         """scores [N, E] with every expert outside the topk_group best groups (by group_score) set to fill."""
@@ -295,13 +298,15 @@ class MoE(nn.Module):
         # the weighted sum over the chosen experts in fp32, rounded once, as transformers' default experts path
         # (grouped_mm) does; under expert parallelism this is the rank's partial. Rounding after each expert's add
         # lost precision against transformers in bf16 (docs/decode-log.md, "Precision against transformers").
-        out = torch.zeros_like(flat, dtype=torch.float32)
-        for e in torch.unique(idx).tolist():  # ascending expert order, as HF
-            if str(e) not in self.experts:
-                continue  # another rank's expert
-            tok, slot = torch.where(idx == e)
-            y = self.experts[str(e)](flat[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = None if self.experts_kernel is None else self.experts_kernel(flat, idx, weights)
+        if out is None:
+            out = torch.zeros_like(flat, dtype=torch.float32)
+            for e in torch.unique(idx).tolist():  # ascending expert order, as HF; a host sync, and one an expert
+                if str(e) not in self.experts:
+                    continue  # another rank's expert
+                tok, slot = torch.where(idx == e)
+                y = self.experts[str(e)](flat[tok]) * weights[tok, slot, None]
+                out.index_add_(0, tok, y.to(out.dtype))
         if self.ep is not None:
             out = self.ep.combine(out)
         out = out.to(x.dtype).view(shape)
@@ -361,20 +366,22 @@ class Transformer(nn.Module):
     takes_padding = True
 
     def forward(self, tokens: torch.Tensor, cache: LatentCache, rows: torch.Tensor | None = None,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
         """tokens [B,T] appended to cache rows [B] (default 0..B-1) -> logits [B,T,vocab].
 
         Each row continues at its own cache length; attention is causal within the new tokens. ``lengths`` [B]: the
         tokens each row really has (default T); the rest of the row is padding, computed and written to the cache past
         the row's length, where no query reads it before a later token of the row overwrites it (a query at position p
         sees positions <= p, and position p is written by the forward that brings it), and not counted in its length.
+        ``start``: the rows' longest cache length, where the caller knows it (a prefill into emptied rows: 0); else it
+        is read from the device, a host synchronisation that a CUDA-graph capture cannot hold (graph_decode's prefill).
         """
         B, T = tokens.shape
         dev = cache.lengths.device
         rows = cache_rows(B, rows, dev)
         starts = cache.lengths[rows]
         pos = starts[:, None] + torch.arange(T, device=dev)  # [B,T] absolute positions
-        length = int(starts.max()) + T
+        length = (int(starts.max()) if start is None else start) + T
         if length > cache.max_len:
             raise ValueError(f"cache overflow: need {length} positions, cache max_len is {cache.max_len}")
         mask = (torch.arange(length, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B,1,T,L]

@@ -11,9 +11,10 @@ token was picked from; ``echo`` puts the prompt before the completion and, with 
 teacher-forced log-probs (``generate.forced``; the first token's is null); a token is named by its text, one
 within a multi-byte character by its bytes (OpenAI's ``bytes:\\xNN``), or with ``return_tokens_as_token_ids``
 (vLLM's) ``token_id:<id>``. ``max_tokens`` null is OpenAI's default, 16. ``usage`` counts tokens, in a stream too
-with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is a 400). ``ignore_eos`` (vLLM's) decodes
-past EOS to ``max_tokens``, as the benchmarks do. ``--kernels`` picks the decode path the campaign's stages time:
-``torch`` ops, the Triton kernels (``engine.decode_kernels``) or the CUDA-graph step (``engine.graph_decode``).
+with ``stream_options.include_usage`` (``stream_options`` without ``stream`` is a 400; its unknown keys are ignored,
+as vLLM's). ``ignore_eos`` (vLLM's) decodes past EOS to ``max_tokens``, as the benchmarks do. ``--kernels`` picks
+the decode path the campaign's stages time: ``torch`` ops, the Triton kernels (``engine.decode_kernels``) or the
+CUDA-graph step (``engine.graph_decode``).
 
 Batching: one worker thread owns the model and runs ``generate``'s loop (``generate.Rows``: the prefill and the
 decode step that parity and the bench measure, the graph path's too). A request's prompts are rows; an idle worker
@@ -36,8 +37,13 @@ docs/decode-log.md measures the two ("Joining at the next step"): joining pays w
 
 Stop strings are applied to the decoded text: the completion ends before the first stop string, and generation
 stops as soon as one appears (log-probs still cover every generated token, as vLLM's). ``stream: true`` sends
-server-sent events (``data: {...}``, then ``data: [DONE]``), one a token that completes text, the last one with its
-``finish_reason`` (as vLLM's), holding back any text that could still turn into a stop string. Bad requests get a 4xx with an OpenAI-style JSON error naming the field; a batch that fails, a 500
+server-sent events (``data: {...}``, then ``data: [DONE]``): one event per generated token, so that a client can time
+each token. An event's text is the text that token made final. It is "" while bytes wait: a token inside a multi-byte
+character, or text that could still turn into a stop string; that text comes with a later event. The last event
+carries the ``finish_reason`` (as vLLM's). With ``stream_options`` ``{"include_usage": true,
+"continuous_usage_stats": true}`` (vLLM's) every event also carries ``usage``: its prompt's tokens and the tokens
+generated so far, so that a client counts the tokens each event covers, on this server or one that coalesces.
+Bad requests get a 4xx with an OpenAI-style JSON error naming the field; a batch that fails, a 500
 for each of its requests; a worker that dies, a 500 for every waiting request and a 503 for every later one.
 Handlers are async: a waiting request holds no thread. Binds 127.0.0.1 unless ``--host`` says otherwise.
 """
@@ -80,6 +86,13 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's ``include_usage`` and vLLM's ``continuous_usage_stats``; other keys are ignored, as vLLM does."""
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
@@ -95,7 +108,7 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
 
@@ -154,8 +167,9 @@ BYTE_LEVEL = _byte_level()
 @dataclass(eq=False)
 class Job:
     """One prompt of a request, a row of a batch. The worker calls ``post((index, kind, value))`` (thread-safe, never
-    blocking): ("text", delta) while it decodes (``stream`` only: text no stop string can start in any more), then
-    ("done", rest) as soon as the row ends (``stream``: the text not yet sent, else None), or ("error", message). A
+    blocking): ("text", delta) for each token while it decodes (``stream`` only: the text no stop string can start in
+    any more, "" while bytes wait), then ("done", rest) with the row's last token (``stream``: the text not yet sent,
+    else None), or ("error", message). A stream thus gets exactly one event per token. A
     cancelled row (its client went away) ends at its next token, unanswered. ``ignore_eos``: EOS does not end it."""
     index: int
     ids: list[int]
@@ -367,11 +381,10 @@ class Engine:
         done = job.stopped or len(toks) >= job.max_tokens or self._ends(job, toks)
         if done:  # its last text goes with its finish_reason
             self._done(job, toks)
-        elif job.stream:
-            final = len(job.text) - held_back(job.text, job.stops)
-            if final > job.sent:
-                job.post((job.index, "text", job.text[job.sent:final]))
-                job.sent = final
+        elif job.stream:  # an event every token, even of no text: a client times and counts tokens by events
+            final = max(job.sent, len(job.text) - held_back(job.text, job.stops))
+            job.post((job.index, "text", job.text[job.sent:final]))
+            job.sent = final
         return done
 
     def name(self, t: int, as_ids: bool = False) -> str:
@@ -469,9 +482,11 @@ def create_app(engine: Engine) -> FastAPI:
             doc = {"id": cid, "object": "text_completion", "created": created, "model": engine.model_id,
                    "choices": choices}
             if usage:
-                p, c = sum(len(j.ids) for j in jobs), sum(len(j.tokens) for j in jobs)
-                doc["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+                doc["usage"] = counts(sum(len(j.ids) for j in jobs), sum(len(j.tokens) for j in jobs))
             return doc
+
+        def counts(prompt: int, completion: int) -> dict:
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
         def choice(i: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -503,19 +518,27 @@ def create_app(engine: Engine) -> FastAPI:
                                 else engine.logprobs(j, text if req.echo else None, req.return_tokens_as_token_ids))
                          for j, (_, text) in zip(jobs, prompts)], usage=True)
 
+        options = req.stream_options or StreamOptions()
+        continuous = bool(options.include_usage and options.continuous_usage_stats)  # vLLM's: only with include_usage
+
         async def events():
+            streamed = [0] * len(jobs)  # tokens sent so far, a prompt each
             try:
                 async for i, kind, value in results():
                     if kind == "error":
                         yield f"data: {json.dumps(_error_doc(500, value))}\n\n"
                         return
-                    finish = jobs[i].finish if kind == "done" else None
-                    yield f"data: {json.dumps(body([choice(i, value or '', finish)]))}\n\n"
+                    # a text event is one token; the done event's row has stopped growing (max_tokens 0: no token)
+                    streamed[i] = len(jobs[i].tokens) if kind == "done" else streamed[i] + 1
+                    doc = body([choice(i, value or "", jobs[i].finish if kind == "done" else None)])
+                    if continuous:  # as vLLM's: the choice's own prompt and its tokens so far
+                        doc["usage"] = counts(len(jobs[i].ids), streamed[i])
+                    yield f"data: {json.dumps(doc)}\n\n"
             finally:
                 cancel()
             if any(j.finish is None for j in jobs):  # the client went away
                 return
-            if (req.stream_options or {}).get("include_usage"):
+            if options.include_usage:
                 yield f"data: {json.dumps(body([], usage=True))}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -1,4 +1,5 @@
-"""The device's read bandwidth: the rate the bandwidth floors (workflow/bench/floor.py, the kernel benches) divide bytes by.
+"""The device's read bandwidth: the rate the bandwidth floors (workflow/bench/floor.py, the kernel benches) divide bytes by;
+and its matrix-product rate (`matmul_rate`), which the prefill's floor divides its FLOPs by.
 
 A decode step only reads its weights, so its floor is their bytes over what a plain read moves: this kernel, eight
 launches between the CUDA events. The floors used one timed device-to-device copy before, about 12% slower on an H200
@@ -62,6 +63,18 @@ def read_bandwidth(device: str, mib: int = 1024, repeats: int = 10) -> float:
             raise RuntimeError(f"the read kernel summed {got}, not {want}: its bandwidth would be no read's")
         read = lambda: block_sums(x, out)  # noqa: E731
     return n * 4 / median_seconds(read, device, repeats, CHAIN)
+
+
+MATMUL_N, CPU_MATMUL_N = 8192, 256  # matmul_rate's square product: a GPU's fills the chip, a CPU's shows the machinery
+
+
+def matmul_rate(device: str, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of one square matrix product in `dtype` (torch's, so cuBLAS's on a GPU), 2 n^3 a product: CHAIN products
+    between the events (median_seconds), on fresh random inputs (zeros run faster than data)."""
+    n = MATMUL_N if device.startswith("cuda") else CPU_MATMUL_N
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / median_seconds(lambda: torch.matmul(a, b, out=out), device, repeats, CHAIN)
 
 
 def copy_bandwidth(mib: int = 512) -> float:

@@ -1,6 +1,7 @@
 """Routed experts of a MoE layer at decode: experts_gate_up, experts_down, moe_experts, for CUDA-graph capture.
 
-B <= MAX_B tokens, each with k expert ids (ids [B, k] int64; -1 marks a pair computed on another rank):
+B tokens, each with k expert ids (ids [B, k] int64; -1 marks a pair computed on another rank); MAX_B at decode, up to
+MAX_PAIRS pairs B x k in a prefill (the tensor-core kernel's contract does not depend on B):
 - ``experts_gate_up(x [B, D], w13 [E, 2I, D], ids)`` -> h [B, k, I] in x's dtype: silu(gate) * up, fp32 inside;
 - ``experts_down(h, w2 [E, D, I], ids)`` -> y [B, k, D] fp32, 0.0 for a -1 pair;
 - ``moe_experts(x, w13, w2, ids, weights [B, k])`` -> [B, D] fp32: the slots' weighted sum, s ascending;
@@ -20,7 +21,9 @@ from . import pdl
 from ._admit import device_reason, dtype_reason, interpreting
 from ._mma import mma
 
-MAX_B = 16  # tokens per call
+MAX_B = 16  # tokens per call at decode: the route kernel's (kernels/route.py) and the graph step's batches
+# B >= 2 takes a program a sorted pair in the grid's second dimension (CUDA allows 65,535 there): a prefill's B x k
+MAX_PAIRS = 65535
 # B = 1: weight rows per one-warp program (for experts_gate_up a gate row with its up row, BLOCK_N; for
 # experts_down, DOWN_BLOCK_N). One row (gemv.py's finding at K=2048..4096) for gate/up; two for down (K=1408,
 # 16,384 programs a call with one): the decode step at batch 1 on an H200 2.38 -> 2.17 ms (docs/decode-log.md v8).
@@ -136,7 +139,7 @@ def _row_kernel(inp, w, out, keys, order, ready, e_shared, DIV: tl.constexpr, N:
 
 @triton.jit
 def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                GATED: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr,
+                GATED: tl.constexpr, G: tl.constexpr, LOG_NP: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, LIMIT: tl.constexpr, PDL: tl.constexpr):
     """B >= 2. Program (n, j): weight rows n*BLOCK_N.. of sorted pair j's expert against the inputs of the up to
     G pairs from j on that chose it, if j leads them (it starts its group, or lies a multiple of G past the
@@ -153,10 +156,16 @@ def _dot_kernel(inp, w, out, sorted_ids, order, n_pairs, DIV: tl.constexpr, N: t
     first = tl.load(sorted_ids + j - 1, mask=j > 0, other=-2) != e
     deep = tl.load(sorted_ids + j - G, mask=j >= G, other=-2) == e  # more than G pairs of the group up to j
     start = j
-    if deep:  # only then can j be a later leader: find the group's start, the count of smaller ids
-        every = tl.arange(0, NP)
-        smaller = (every < n_pairs) & (tl.load(sorted_ids + every, mask=every < n_pairs, other=0) < e)
-        start = tl.sum(smaller.to(tl.int32), axis=0)
+    if deep:  # only then can j be a later leader: find the group's start, the first sorted pair of e (binary search
+        # over [0, j]: LOG_NP halvings, any B; a scan of every pair, as before, held NP ids a program)
+        lo = j * 0
+        hi = j
+        for _ in tl.static_range(LOG_NP):
+            mid = (lo + hi) // 2
+            below = tl.load(sorted_ids + mid) < e
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        start = lo
     if (first | (deep & ((j - start) % G == 0))) == 0:
         return  # another program does this pair's work
     idx = j + tl.arange(0, G)
@@ -278,8 +287,8 @@ def _reason(inp, w, ids, k_dim: int) -> str | None:
         checks.append(f"ids dtype {ids.dtype} is not int64")
     if not (inp.is_contiguous() and w.is_contiguous() and ids.is_contiguous()):
         checks.append("inputs, weights and ids must be contiguous")
-    if not 1 <= B <= MAX_B or k == 0:
-        checks.append(f"B={B} outside 1..{MAX_B} or no slots")
+    if B == 0 or k == 0 or B * k > MAX_PAIRS:
+        checks.append(f"B={B} rows of {k} slots: none, or more than {MAX_PAIRS} pairs")
     if not 1 <= k_dim <= MAX_K or w.shape[0] == 0 or w.shape[1] == 0:
         checks.append(f"K={k_dim} outside 1..{MAX_K}, or no experts or rows")
     if w.shape[1] * w.shape[2] >= 2**31:
@@ -371,7 +380,7 @@ def _launch(inp, w, out, route, slots: int, gated: bool, ids=None, limit: float 
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))  # tl.dot's tile sides are at least 16
     return _dot_kernel[(triton.cdiv(N, block_n), n_pairs)](
         inp, w, out, sorted_ids, order, n_pairs, DIV=slots if gated else 1, N=N, K=K, GATED=gated, G=G,
-        NP=triton.next_power_of_2(n_pairs), F32=interpreting() or w.dtype == torch.float32, BLOCK_N=block_n,
+        LOG_NP=n_pairs.bit_length(), F32=interpreting() or w.dtype == torch.float32, BLOCK_N=block_n,
         BLOCK_K=min(DOT_BLOCK_K, max(16, triton.next_power_of_2(K))), LIMIT=float(limit), num_warps=DOT_WARPS,
         num_stages=DOT_STAGES, **pdl.flags(w.device))
 
@@ -450,5 +459,5 @@ def moe_experts(x, w13, w2, ids, weights, route=None, limit: float = 0.0):
     return out
 
 
-__all__ = ["MAX_B", "route", "experts_gate_up", "gate_up_out", "experts_down", "moe_experts", "moe_reference",
-           "moe_reason", "gate_up_reason", "down_reason"]
+__all__ = ["MAX_B", "MAX_PAIRS", "route", "experts_gate_up", "gate_up_out", "experts_down", "moe_experts",
+           "moe_reference", "moe_reason", "gate_up_reason", "down_reason"]

@@ -75,18 +75,24 @@ def default_local_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProce
                 r = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(wd),
                                     "-c2"], capture_output=True, text=True, env=env, timeout=900)
                 seconds = time.perf_counter() - t0
-                # a copy of its trained checkpoint, before any test removes that working directory's .evident
+                # a copy of its trained checkpoint, before any test removes that working directory's .evident, and
+                # of its quality stage's results (tests/test_quality_mutants.py replays them rather than run them again)
                 ckpt = [str(shutil.copytree(src, root / "trained" / src.name))
                         for src in (wd / ".evident/checkpoints").glob("trained-*/")]
+                quality = [str(shutil.copytree(src, root / "default-quality"))
+                           for src in (wd / "evidence/tiny").glob("*/quality/")]
                 record.write_text(json.dumps({"wd": str(wd), "args": r.args, "returncode": r.returncode,
                                               "stdout": r.stdout, "stderr": r.stderr, "seconds": seconds,
-                                              "checkpoint": ckpt[-1] if ckpt else None}))
+                                              "checkpoint": ckpt[-1] if ckpt else None,
+                                              "quality": quality[0] if len(quality) == 1 else None}))
         run = json.loads(record.read_text())
         _LOCAL_RUN["run"] = (Path(run["wd"]), subprocess.CompletedProcess(run["args"], run["returncode"],
                                                                          run["stdout"], run["stderr"]),
                              run["seconds"])
         if run["checkpoint"]:
             _LOCAL_RUN["checkpoint"] = Path(run["checkpoint"])
+        if run["quality"]:
+            _LOCAL_RUN["quality"] = Path(run["quality"])
     return _LOCAL_RUN["run"]
 
 
@@ -96,6 +102,14 @@ def trained_checkpoint(tmp_path_factory) -> Path:
     if "checkpoint" not in _LOCAL_RUN:
         raise AssertionError(f"the default run left no trained checkpoint: {r.stdout[-3000:]}{r.stderr[-3000:]}")
     return _LOCAL_RUN["checkpoint"]
+
+
+def default_quality(tmp_path_factory) -> Path:
+    """A copy of the default run's quality/ folder (its GSM8K results and rows of hf and the engine, and the gate)."""
+    wd, r, _ = default_local_run(tmp_path_factory)
+    if "quality" not in _LOCAL_RUN:
+        raise AssertionError(f"the default run left no quality results: {r.stdout[-3000:]}{r.stderr[-3000:]}")
+    return _LOCAL_RUN["quality"]
 
 
 def seed_checkpoint_cache(wd: Path, tmp_path_factory) -> None:

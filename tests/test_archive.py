@@ -415,7 +415,7 @@ def test_diff_fits_a_terminal_and_json_keeps_every_field(tmp_path, capsys, monke
     code, out, _ = evident(capsys, "diff", "aaa", "bbb", "--json")
     bench = {c["cell"]: c for c in json.loads(out)["bench"]}
     fast = bench["host-staged-graph-b8"]
-    assert set(fast) == {"cell", "backend", "kernels", "prompts", "batch", "target", "concurrency", "a_tpot_p50_ms",
+    assert set(fast) == {"cell", "backend", "kernels", "prompts", "batch", "target", "concurrency", "rate", "a_tpot_p50_ms",
                          "b_tpot_p50_ms", "tpot_p50_ratio", "a_tok_s", "b_tok_s", "tok_s_ratio", "claim",
                          "tpot_p50_change_pct", "tok_s_change_pct", "reason", "probe_ratio"}
     assert (fast["backend"], fast["kernels"], fast["batch"], fast["target"]) == ("host-staged", "graph", 8, None)
@@ -457,6 +457,43 @@ def test_diff_keeps_decode_paths_apart(tmp_path, capsys, monkeypatch):
     row = next(c for c in diff.bench_diff(archive.load(base), archive.load(new)) if c["cell"] == "single-graph-b1")
     assert row["claim"] == "no directional claim" and row["reason"] == (
         "B has 2 files for this cell (copy-of-single-graph-b1.json, single-graph-b1.json)")
+
+
+def test_diff_shows_rate_cells_figure_by_figure_and_never_claims(tmp_path, capsys, monkeypatch):
+    """The rate rung runs each rate once: no noise estimate, so B twice as fast is still no claim, but both figures
+    and B/A are there; a changed seed and SLO name themselves and give no ratio; a cell in one side only says so."""
+    import rated
+
+    monkeypatch.chdir(tmp_path)
+    root = Path("evidence")
+    base = handbuilt.build(root, "tiny", "aaaaaaa-c1-r1", plot=False, seal=False)
+    rated.write(base, rates=[rated.rate_cell(rate=2, tpot=5.0), rated.rate_cell(rate=4, tpot=5.0),
+                             rated.rate_cell(rate=8)])
+    new = handbuilt.build(root, "tiny", "bbbbbbb-c1-r1", plot=False, seal=False)
+    rated.write(new, rates=[rated.rate_cell(rate=2, tpot=2.5, ttft=10.0, failed=1),
+                            rated.rate_cell(rate=4, tpot=2.5, seed=1, slo={"ttft_ms": 50, "tpot_ms": 5})])
+    rated.seal(base), rated.seal(new)
+    rows = {c["cell"]: c for c in diff.bench_diff(archive.load(base), archive.load(new))}
+    same, other = rows["http-engine-r2"], rows["http-engine-r4"]
+    assert (same["target"], same["rate"], same["concurrency"], same["batch"]) == ("engine", 2.0, None, None)
+    assert same["claim"] == "no directional claim" and same["reason"].startswith(diff.ONE_RUN + ". A → B (B/A): ")
+    assert same["tpot_p50_ratio"] == pytest.approx(0.5) and same["tpot_p50_change_pct"] == pytest.approx(-50.0)
+    f = same["figures"]
+    assert (f["ttft_p50_ms"]["a"], f["ttft_p50_ms"]["b"], f["ttft_p50_ms"]["ratio"]) == (20.0, 10.0, 0.5)
+    assert (f["completed"]["a"], f["completed"]["b"], f["completed"]["b_requests"]) == (6, 5, 6)
+    assert f["goodput"]["ratio"] == pytest.approx(5 / 6)  # one request of B was reset: it is not good
+    assert "completed 6/6 → 5/6" in same["reason"] and "TTFT p50 20 → 10 ms (0.500)" in same["reason"]
+    assert other["claim"] == "no directional claim" and other["reason"].startswith("contract differs (keys seed, slo). A → B: ")
+    assert other["tpot_p50_ratio"] is None and other["tpot_p50_change_pct"] is None
+    assert other["figures"]["tpot_p50_ms"] == {"a": 5.0, "b": 2.5, "ratio": None}  # both figures, no ratio
+    assert rows["http-engine-r8"]["reason"] == "only in A" and rows["http-engine-r8"]["figures"]["goodput"]["b"] is None
+
+    code, out, _ = evident(capsys, "diff", "aaa", "bbb")
+    assert code == 0 and max(map(len, out.splitlines())) <= 100 and " faster" not in out.split("--json.")[1]
+    row = next(line for line in out.splitlines() if line.startswith("http-engine-r2"))
+    assert row.split()[:4] == ["http-engine-r2", "5", "2.5", "0.500"] and "no directional claim" in row
+    assert next(line for line in out.splitlines() if line.startswith("http-engine-r4")).split()[3] == "—"
+    assert "one run a rate, no noise estimate" in out and "contract differs (keys seed, slo)" in out
 
 
 # --- sync ------------------------------------------------------------------------------------

@@ -104,6 +104,30 @@ def test_same_prompt_floor_is_the_top_k_floor(benched):
     assert cell["floor"]["unique_experts"]["min"] == cell["floor"]["unique_experts"]["max"] == top_k
 
 
+def test_the_prefill_floor_counts_the_prompts_chosen_experts_and_the_rate_that_binds(benched):
+    """Each cell's prefill floor (workflow/bench/floor.py prefill_floor) beside its TTFT: the union of the experts its
+    rows' prompts chose, by hand on a Layout, bytes- or FLOP-bound as the rates say."""
+    ckpt, ev = benched
+    cell, same = read_json(ev / "bench/single-distinct-b4.json"), read_json(ev / "bench/single-b4.json")
+    pf, top_k = cell["prefill_floor"], floor.layout(ckpt, torch.float32).top_k
+    assert pf["prompt_tokens"] == sum(cell["contract"]["prompt_tokens"]) and pf["rows"] == 4
+    assert pf["floor_ms"] == max(pf["bytes_ms"], pf["flops_ms"]) > 0
+    assert pf["ttft_over_floor"] == pytest.approx(cell["stats"]["ttft"]["p50"] / pf["floor_ms"])
+    assert pf["unique_experts"]["min"] >= top_k
+    assert pf["bytes"]["chosen_experts"] >= same["prefill_floor"]["bytes"]["chosen_experts"]
+    lay = floor.Layout(weights=1000, per_row=0, row=10, expert=[100, 100], top_k=2, n_experts=8,
+                       cache_row=lambda p: 3 * p, head=200, itemsize=2, attention=4)
+    prompts, experts = [[5, 6, 7], [5, 8]], [{0, 1, 2}, {3}]
+    fl = floor.prefill_floor(lay, prompts, experts, bandwidth=1e3, flop_rate=1e4, ttft_p50_ms=2910.0)
+    # weights, 4 experts, 4 distinct tokens' rows, the cache of 3 + 2 positions
+    assert fl["bytes"] == {"weights": 1000, "chosen_experts": 400, "embedding_rows": 40, "cache": 15, "total": 1455}
+    # 5 tokens x 2 x (400 dense + 2 x 100 routed parameters), the head (100) at 2 rows, 4 x (6 + 3) causal pairs
+    assert fl["flops"] == 6000 + 400 + 36
+    assert (fl["bound"], fl["floor_ms"], fl["ttft_over_floor"]) == ("bytes", 1455.0, 2.0)
+    slow = floor.prefill_floor(lay, prompts, experts, bandwidth=1e3, flop_rate=1e3, ttft_p50_ms=1.0)
+    assert (slow["bound"], slow["floor_ms"]) == ("flops", 6436.0)
+
+
 def test_the_busiest_rank_reads_its_own_shard_of_the_chosen_experts():
     lay = floor.Layout(weights=1000, per_row=0, row=10, expert=[100, 100], top_k=2, n_experts=8,
                        cache_row=lambda p: p)
@@ -240,7 +264,7 @@ def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
 def test_a_difference_is_a_defect_only_where_both_computations_were_sure():
     """Rounding moves both computations of a row by err: they can differ where either was within err of a tie, never
     where both preferred their own pick by more than the near-tie margin."""
-    row = replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, 0.9, 0.0])
+    row = replay.Row(experts=[], prefill=[], alone=[3, 5, 7], gaps=[0.0, 0.9, 0.0])
     tokens = [[3, 6, 7]]  # step 2: the batch picked 6, the row alone 5 (by 0.9 logits)
     check = replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.01, 1.0]])
     assert check["verdict"] == replay.NEAR_TIES and check["differences"] == 1 and check["rows_as_alone"] == 0
@@ -248,7 +272,7 @@ def test_a_difference_is_a_defect_only_where_both_computations_were_sure():
     assert replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.6, 1.0]])["verdict"] == replay.MISMATCH
     assert replay.alone_check([row], tokens, "bfloat16")["verdict"] == replay.MISMATCH  # no margins (hf): the gap
     assert replay.alone_check([row], tokens, "bfloat16", margins=[[2.0, 0.6, 1.0]])["largest"]["gap"] == 0.9
-    quiet = replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, 0.3, 0.0])
+    quiet = replay.Row(experts=[], prefill=[], alone=[3, 5, 7], gaps=[0.0, 0.3, 0.0])
     assert replay.alone_check([quiet], tokens, "bfloat16")["verdict"] == replay.NEAR_TIES
     assert replay.alone_check([quiet], tokens, "float32")["verdict"] == replay.MISMATCH
     assert replay.alone_check([quiet], [[3, 5, 7]], "float32")["verdict"] == replay.AS_ALONE
@@ -265,7 +289,7 @@ def test_the_rows_check_takes_parity_s_measured_margin(tmp_path):
     margin = bench.rows_margin(tmp_path, config)
     assert margin[0] == pytest.approx(1.5) and margin[1]["transformers_margin_error"] == pytest.approx(1.5)
     tokens = [[3, 6, 7]]
-    row = lambda gap: replay.Row(experts=[], alone=[3, 5, 7], gaps=[0.0, gap, 0.0])  # noqa: E731
+    row = lambda gap: replay.Row(experts=[], prefill=[], alone=[3, 5, 7], gaps=[0.0, gap, 0.0])  # noqa: E731
     check = replay.alone_check([row(0.9)], tokens, "bfloat16", near_tie=margin)
     assert check["verdict"] == replay.NEAR_TIES and check["near_tie_noise"] == margin[1]
     assert replay.alone_check([row(1.6)], tokens, "bfloat16", near_tie=margin)["verdict"] == replay.MISMATCH

@@ -14,11 +14,15 @@ pytest.importorskip("transformers")
 
 from test_engine_parity import hf_generate, hf_model  # noqa: E402
 
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import evident.kernels  # noqa: E402
 from evident.engine import decode_kernels  # noqa: E402
 from evident.engine.checkpoint import load_model  # noqa: E402
-from evident.engine.generate import generate  # noqa: E402
-from evident.engine.model import LatentCache  # noqa: E402
-from evident.kernels import gemv  # noqa: E402
+from evident.engine.generate import _prefill, generate  # noqa: E402
+from evident.engine.model import LatentCache, MoE  # noqa: E402
+from evident.kernels import gemv, moe  # noqa: E402
 
 MICRO = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
@@ -26,6 +30,8 @@ MICRO = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_lay
              first_k_dense_replace=1, initializer_range=0.1, max_position_embeddings=64, bos_token_id=1,
              eos_token_id=2)
 PROMPT = [17, 50, 3, 91, 45]
+TOL = 1e-4  # fp32 logits against transformers (tests/test_engine_parity.py's)
+RAGGED = [[17, 50, 3, 91, 45, 8, 60, 33, 12], PROMPT, [9, 8, 7, 6, 5, 4, 3]]  # 3 rows of 9: 27 > gemv.MAX_M tokens
 N_NEW = 4
 CUDA = torch.cuda.is_available()
 
@@ -120,3 +126,69 @@ def test_the_cpu_kernels_refuse_to_run_without_the_interpreter_switch_set_at_sta
     with pytest.raises(RuntimeError, match="the engine's triton decode path on a CPU runs Triton's interpreter: set "
                                            "TRITON_INTERPRET=1 in the environment before Python starts"):
         environment.require_interpreter("the engine's triton decode path")
+
+
+def prefill_logits(model, prompts) -> list[torch.Tensor]:
+    """Each row's logits [len, vocab] (fp64, host) of generate's one batched prefill of the ragged prompts."""
+    with torch.inference_mode():
+        cache = model.new_cache(len(prompts), max(map(len, prompts)))
+        return [t.double().cpu() for t in _prefill(model, cache, prompts, list(range(len(prompts))))]
+
+
+def worst_against_hf(hf, model, prompts) -> float:
+    """The largest |logit - HF's| of a ragged batch's prefill, each row against its prompt alone in transformers."""
+    with torch.no_grad():
+        return max((got - hf(torch.tensor([p])).logits[0].double()).abs().max().item()
+                   for got, p in zip(prefill_logits(model, prompts), prompts))
+
+
+@pytest.fixture(scope="module")
+def micro_checkpoint(tmp_path_factory):
+    from test_engine_parity import hf_model
+
+    hf, ckpt = hf_model(MICRO), tmp_path_factory.mktemp("micro-prefill")
+    hf.save_pretrained(ckpt)
+    return hf, ckpt
+
+
+def test_a_prefill_takes_the_grouped_experts_kernel(micro_checkpoint, monkeypatch):
+    """A ragged batch's prefill (more tokens than gemv.MAX_M) runs each MoE layer's routed experts in one
+    kernels.moe call, not the per-expert loop, and keeps parity: each row's logits HF's for its prompt alone, and
+    the torch path's, within fp32 rounding."""
+    hf, ckpt = micro_checkpoint
+    device = "cuda" if CUDA else "cpu"
+    plain, fast = load_model(ckpt, device=device), decode_kernels.enable(load_model(ckpt, device=device))
+    calls, real = [], moe.moe_experts
+    monkeypatch.setattr(moe, "moe_experts", lambda x, *a, **k: (calls.append(x.shape[0]), real(x, *a, **k))[1])
+    worst = worst_against_hf(hf, fast, RAGGED)
+    print(f"prefill through the kernel: max |logit - HF| {worst:.3g}")  # pytest -s: the figure
+    assert calls == [len(RAGGED) * 9] * sum(isinstance(layer.mlp, MoE) for layer in fast.layers)
+    assert worst < TOL
+    torch_path = prefill_logits(plain, RAGGED)
+    assert all((a - b).abs().max() < TOL for a, b in zip(prefill_logits(fast, RAGGED), torch_path))
+    calls.clear()
+    generate(fast, [PROMPT], 1)  # 5 tokens: the loop's row kernels, bitwise as a decode step's
+    assert calls == []
+
+
+WRONG_EXPERT = ("    w_e = w + e * ((2 * N if GATED else N) * K)\n",
+                "    w_e = w + (e ^ 1) * ((2 * N if GATED else N) * K)  # injected: the next expert's weights\n")
+
+
+def test_a_wrong_expert_in_the_prefill_kernel_fails_parity(micro_checkpoint, tmp_path, monkeypatch):
+    """An injected bug in a scratch copy of kernels/moe.py: the tensor-core kernel (a prefill's) reads expert e ^ 1's
+    weights for expert e. The ragged batch's prefill then leaves HF's logits for each prompt alone far behind."""
+    hf, ckpt = micro_checkpoint
+    source = (Path(moe.__file__)).read_text()
+    head, dot = source.split("def _dot_kernel", 1)
+    assert dot.count(WRONG_EXPERT[0]) == 1 and head.count(WRONG_EXPERT[0]) == 1  # the row kernel's stays
+    file = tmp_path / "moe_wrong_expert.py"  # Triton reads a kernel's source from its file
+    file.write_text(head + "def _dot_kernel" + dot.replace(*WRONG_EXPERT))
+    spec = importlib.util.spec_from_file_location("evident.kernels.moe_wrong_expert", file)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    monkeypatch.setattr(evident.kernels, "moe", mutant)  # what decode_kernels.experts_kernel imports
+    fast = decode_kernels.enable(load_model(ckpt, device="cuda" if CUDA else "cpu"))
+    worst = worst_against_hf(hf, fast, RAGGED)
+    print(f"wrong expert in the prefill kernel: max |logit - HF| {worst:.3g}")  # pytest -s: the figure
+    assert worst > 100 * TOL

@@ -178,6 +178,64 @@ def test_a_slot_left_idle_and_reused_leaves_every_row_as_alone(models):
     assert slot_reused(fast, prompts, n) == [alone[0][:2], *alone[1:]]
 
 
+def test_the_prefill_takes_the_experts_kernel_over_the_stacks(models, monkeypatch):
+    """The graph path's prefill (the ordinary forward) runs each MoE layer's routed experts in one kernels.moe call
+    over the step's stacks, at any row count, and its logits are the torch path's within fp32 rounding."""
+    from evident.kernels import moe
+    from test_engine_kernels import RAGGED, TOL, prefill_logits
+
+    _, plain, fast = models
+    calls, real = [], moe.moe_experts
+    monkeypatch.setattr(moe, "moe_experts", lambda x, w13, *a, **k: (calls.append((x.shape[0], w13)),
+                                                                       real(x, w13, *a, **k))[1])
+    got = prefill_logits(fast, RAGGED[1:])
+    stacks = [fast.graph_decode.stacks[i][0] for i in sorted(fast.graph_decode.stacks)]
+    assert [n for n, _ in calls] == [2 * 7] * len(stacks) and all(w is s for (_, w), s in zip(calls, stacks))
+    assert all((a - b).abs().max() < TOL for a, b in zip(got, prefill_logits(plain, RAGGED[1:])))
+
+
+class Replays:
+    """A CUDA graph's stand-in on the CPU (``stand_in_capture``): a replay runs the captured call again into the
+    captured output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+    def reset(self):
+        pass
+
+
+def test_the_prefill_is_captured_once_per_shape_and_replayed_on_new_inputs(models, monkeypatch):
+    """GraphDecode.prefill with a stand-in for the graph: one capture per (rows, width rounded up to PREFILL_BUCKET),
+    each prefill's inputs refilled into its buffers, the warm-up's advance undone; logits HF's for each prompt alone."""
+    hf, _, fast = models
+    captures = []
+
+    def stand_in_capture(fn, undo=None, **_):
+        fn()  # the warm-up, put back
+        undo()
+        out = fn()  # a capture records, it does not run: put back too
+        undo()
+        captures.append(fn)
+        return Replays(fn, out), out
+
+    monkeypatch.setattr(graph_decode, "capture", stand_in_capture)
+    monkeypatch.setattr(fast.graph_decode, "graphs", True)
+    with torch.inference_mode():
+        for prompts in ([PROMPT, LONGER], [LONGER[:3], PROMPT + [7]]):  # widths 8 and 6: both 16
+            rows = Rows(fast, 2, 20)
+            _, got = rows.join(prompts)
+            assert rows.cache.lengths.tolist() == [len(p) for p in prompts]
+            for g, p in zip(got, prompts):
+                with torch.no_grad():
+                    assert (g.double().cpu() - hf(torch.tensor([p])).logits[0].double()).abs().max() < 1e-4
+    assert len(captures) == 1
+    assert [list(h.prefills) for h in fast.graph_decode.caches.values() if h.prefills] == [[(2, 16)]]
+
+
 def test_experts_become_views_of_the_stacks(models):
     _, _, fast = models
     layer = next(i for i, l in enumerate(fast.layers) if hasattr(l.mlp, "experts"))

@@ -212,13 +212,31 @@ def test_route_argument(gen):
         moe.experts_down(h, w2, ids, route=route[:1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_prefill_s_rows_beyond_max_b_take_the_tensor_core_kernel(dtype, gen):
+    """A prefill's B x L tokens: more rows than a decode step's MAX_B, groups of many G-tiles, whose later leaders
+    find their group's start by binary search."""
+    D, I, E, k = SMALL
+    x, w13, w2, ids, weights = problem(3 * moe.MAX_B + 1, D, I, E, k, dtype, gen)
+    ids = torch.where(ids == E - 1, ids[:, :1], ids)
+    ids[:, 0] = E - 1  # every row chooses the last expert once: 49 pairs (four tiles) from the 98th sorted pair on
+    assert moe.moe_reason(x, w13, w2, ids, weights) is None
+    _, y, out = naive(x, w13, w2, ids, weights)
+    assert rel_err(moe.experts_down(moe.experts_gate_up(x, w13, ids), w2, ids), y) < TOL[dtype]
+    assert rel_err(moe.moe_experts(x, w13, w2, ids, weights), out) < TOL[dtype]
+
+
 def test_inadmissible_inputs_fall_back(gen, monkeypatch):
     D, I, E, k = SMALL
-    B = moe.MAX_B + 1
-    x, w13, w2, ids, weights = problem(B, D, I, E, k, torch.bfloat16, gen)
-    assert "B=" in moe.moe_reason(x, w13, w2, ids)
-    assert torch.equal(moe.moe_experts(x, w13, w2, ids, weights), moe.moe_reference(x, w13, w2, ids, weights))
-    assert torch.equal(moe.experts_gate_up(x, w13, ids), moe._gate_up_torch(x, w13, ids))
+    B = moe.MAX_PAIRS // k + 1  # more sorted pairs than the grid holds
+    x, ids = torch.empty(B, D, device=DEV), torch.zeros(B, k, dtype=torch.long, device=DEV)
+    w13, w2 = torch.empty(E, 2 * I, D, device=DEV), torch.empty(E, D, I, device=DEV)
+    assert "pairs" in moe.moe_reason(x, w13, w2, ids)
+    x, w13, w2, ids, weights = problem(3, D, I, E, k, torch.bfloat16, gen)
+    assert "int64" in moe.moe_reason(x, w13, w2, ids.int())
+    assert torch.equal(moe.moe_experts(x, w13, w2, ids.int(), weights),
+                       moe.moe_reference(x, w13, w2, ids.int(), weights))
+    assert torch.equal(moe.experts_gate_up(x, w13, ids.int()), moe._gate_up_torch(x, w13, ids.int()))
     # non-contiguous weights: the torch path, close to the kernel on a contiguous copy
     x, w13, w2, ids, weights = problem(3, D, I, E, k, torch.float32, gen)
     w13t = w13.transpose(1, 2).contiguous().transpose(1, 2)

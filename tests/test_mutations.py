@@ -3,12 +3,13 @@ scratch copy of the engine must each fail the check that claims to see them, in 
 bfloat16 campaign (through its float32 run), while the unmutated engine passes everything.
 
 One float32 and one bfloat16 evidence directory (tiny model, checkpoint and oracle) are shared; each mutant runs
-the parity stage (single device, batches 1 and 2) and the comparison in one subprocess for both. `pytest -s`
-prints the table of figures against the tolerances.
+the parity stage (single device, batches 1 and 2) and the comparison for both, on its own scratch copy of the engine,
+one after another in one subprocess. `pytest -s` prints the table of figures against the tolerances.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -31,12 +32,24 @@ PARITY = {**tinyev.defaults(yaml.safe_load((mutants.REPO / "config/schema.yaml")
 CASES = [{"name": "greeting", "prompt": "Hello, evident! The engine says", "max_new_tokens": 24},
          {"name": "arithmetic", "prompt": "Question: what is 12 + 30?\nAnswer:", "max_new_tokens": 24},
          {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 16}]
-# runs in the scratch directory, so that `engine` is the mutated copy (first on PYTHONPATH), never the tree's
-RUN = mutants.GUARD + """
-from evident.workflow.stages import compare, parity
-for ckpt, ev in zip(sys.argv[2::2], sys.argv[3::2]):
-    parity.main(["--checkpoint", ckpt, "--evidence", ev, "--backend", "single", "--batch-sizes", "1,2"])
-    compare.main(["--evidence", ev, ev + "/parity/single-b1.json", ev + "/parity/single-b2.json"])
+# Every mutant in turn, each on its scratch copy: the project's modules imported afresh with that copy first on
+# sys.path, so that `engine` is the mutated copy, never the tree's nor the last mutant's (torch and transformers stay
+# loaded: a process's start was a third of a mutant's time). sys.argv[1]: JSON [[scratch root, checkpoint, evidence,
+# ...], ...].
+RUN = """import importlib, json, sys
+for src, *runs in json.loads(sys.argv[1]):
+    print("scratch", src, file=sys.stderr, flush=True)
+    for name in [m for m in sys.modules if m == "evident" or m.startswith("evident.")]:
+        del sys.modules[name]
+    sys.path.insert(0, src)
+    importlib.invalidate_caches()
+    import evident.engine.model as _m
+    assert _m.__file__.startswith(src), _m.__file__
+    from evident.workflow.stages import compare, parity
+    for ckpt, ev in zip(runs[::2], runs[1::2]):
+        parity.main(["--checkpoint", ckpt, "--evidence", ev, "--backend", "single", "--batch-sizes", "1,2"])
+        compare.main(["--evidence", ev, ev + "/parity/single-b1.json", ev + "/parity/single-b2.json"])
+    sys.path.remove(src)
 """
 
 
@@ -51,18 +64,20 @@ def results(tmp_path_factory) -> dict:
         ckpt, ev = tinyev.make(root / dtype, tinyev.config(dtype=dtype, parity=PARITY, cases=CASES))
         oracle.main(["--checkpoint", str(ckpt), "--evidence", str(ev)])
         shared[dtype] = (ckpt, ev)
-    out = {}
-    for name in [None, *mutants.MUTANTS]:
+    names = [None, *mutants.MUTANTS]
+    jobs = []
+    for name in names:
         work = root / f"mutant-{name}"
-        src = mutants.scratch(work / "src", name)
-        args = []
+        job = [str(mutants.scratch(work / "src", name))]
         for dtype, (ckpt, ev) in shared.items():
             shutil.copytree(ev, work / dtype, ignore=shutil.ignore_patterns("parity"))
-            args += [str(ckpt), str(work / dtype)]
-        p = subprocess.run([sys.executable, "-c", RUN, str(src), *args], cwd=work, env=mutants.env(src),
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"mutant {name}: {p.stderr[-3000:]}"
-        out[name] = {dtype: read_json(work / dtype / "parity/comparison.json") for dtype in DTYPES}
+            job += [str(ckpt), str(work / dtype)]
+        jobs.append(job)
+    p = subprocess.run([sys.executable, "-c", RUN, json.dumps(jobs)], cwd=root, capture_output=True, text=True,
+                       timeout=840)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = {name: {dtype: read_json(root / f"mutant-{name}" / dtype / "parity/comparison.json") for dtype in DTYPES}
+           for name in names}
     _print_table(out)
     return out
 

@@ -3,11 +3,13 @@ each applied to a scratch copy of the engine and served on its own OpenAI-compat
 transformers on the default campaign's trained checkpoint (the default run's, shared), in float32 (all six logic
 mutants) and in bfloat16 (the same weights rounded; two of them). The unmutated engine, the stage's own `engine`
 target, must pass and part from transformers' completions at near-ties only; a mutant's flips must be listed, and
-fail the gate. `pytest -s` prints the table.
+fail the gate. In float32, transformers' and the engine's completions are the default run's own quality stage's (the
+same checkpoint, data, contract and dtype), replayed. `pytest -s` prints the table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -18,7 +20,8 @@ import pytest
 import torch
 import yaml
 
-from evident.workflow.core.evidence import read_json, write_text
+from evident.workflow.core import layout
+from evident.workflow.core.evidence import read_json, text_sha256, write_text
 from evident.workflow.core.verdicts import NEAR_TIE
 from evident.workflow.models import checkpoints
 
@@ -60,6 +63,39 @@ def rounded(ckpt: Path, out: Path, dtype: str) -> Path:
     return out
 
 
+def replayed(default: Path, name: str, items: list[dict], cfg: dict, dtype: str) -> tuple[list[str], dict]:
+    """Target `name`'s completions and record from the default run's quality stage (default: a copy of its quality/),
+    as the stage's run_hf and run_engine return them; held to the same questions, prompts, contract and dtype."""
+    from evident.workflow.parity import gsm8k
+
+    result = read_json(default / Path(layout.quality_result(name)).name)
+    rows = [json.loads(line) for line in (default / Path(layout.quality_rows(name)).name).read_text().splitlines()]
+    assert (result["dtype"], result["contract"]) == (dtype, gsm8k.contract(cfg)), (name, result)
+    assert [(r["id"], r["prompt_sha256"], r["gold"]) for r in rows] == [
+        (it["id"], text_sha256(it["prompt"]), it["gold"]) for it in items], name
+    return [r["completion"] for r in rows], {k: result[k] for k in ("implementation", "server_ready_s", "versions")
+                                             if k in result}
+
+
+@contextlib.contextmanager
+def replaying(default: Path):
+    """The quality stage with its hf and engine targets replayed from the default run's: computed again here, on the
+    same checkpoint, data, contract and dtype, they would be the same completions (64 generations each, and an engine
+    server's start)."""
+    from evident.workflow.stages import quality
+
+    def engine(ckpt, evidence, items, cfg, dtype, device, log):
+        # the stage adds the engine server's log to its files
+        write_text(evidence / quality.ENGINE_LOG, "replayed from the default run's quality stage\n")
+        return replayed(default, "engine", items, cfg, dtype)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quality, "run_hf", lambda ckpt, items, cfg, dtype, device, log: replayed(default, "hf", items, cfg,
+                                                                                              dtype))
+        mp.setattr(quality, "run_engine", engine)
+        yield
+
+
 @pytest.fixture(scope="module")
 def gates(trained, tmp_path_factory) -> dict:
     """{dtype: {candidate: gate}} from one quality stage a dtype: hf, the engine and every mutant's endpoint."""
@@ -67,6 +103,8 @@ def gates(trained, tmp_path_factory) -> dict:
     from evident.workflow.stages import quality
 
     ckpt32, config = trained
+    assert config["dtype"] == "float32"  # the default campaign's, whose quality stage is replayed below
+    default = cluster.default_quality(tmp_path_factory)
     root = tmp_path_factory.mktemp("quality-mutants")
     ckpts = {dtype: ckpt32 if dtype == "float32" else rounded(ckpt32, root / f"ckpt-{dtype}", dtype) for dtype in DTYPES}
     out = {}
@@ -85,7 +123,8 @@ def gates(trained, tmp_path_factory) -> dict:
             write_text(ev / "config.yaml", yaml.safe_dump(cfg, sort_keys=True))
             record_stage.record(ckpt, ev)
             urls = {mutants.endpoint_name(m): served[dtype, m] for m in names}
-            doc = quality.run(ckpt, ev, endpoints=urls)
+            with replaying(default) if dtype == config["dtype"] else contextlib.nullcontext():
+                doc = quality.run(ckpt, ev, endpoints=urls)
             out[dtype] = {g["candidate"]: g for g in doc["gates"]}
             out[dtype]["hf"] = read_json(ev / "quality/gsm8k-hf.json")
             out[dtype]["rows"] = {name: {r["id"]: r for r in map(json.loads, (ev / f"quality/gsm8k-{name}-rows.jsonl")

@@ -36,3 +36,9 @@ def test_the_bench_wildcard_parses_every_cell_name_back(backend):
     c = runs.wildcard_constraints(runs.BENCH_BACKENDS)  # bench/<backend>-b<B>.json: hf-static-b8 is hf-static's
     m = re.compile(rf"(?P<backend>{c['backend']})-b(?P<batch>\d+)").fullmatch(f"{backend}-b8")
     assert m and m["backend"] == backend
+
+
+def test_labels_order_by_number_and_concurrencies_before_rates():
+    names = ["http-engine-r2", "single-b16", "http-engine-c8", "http-engine-r0.5", "single-b8", "http-engine-c16"]
+    assert sorted(names, key=runs.label_key) == ["http-engine-c8", "http-engine-c16", "http-engine-r0.5",
+                                                 "http-engine-r2", "single-b8", "single-b16"]

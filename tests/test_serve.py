@@ -1,7 +1,7 @@
 """The engine's OpenAI-compatible endpoint (engine/serve.py) through the official `openai` client, against a live
 server process on a tiny synthetic checkpoint: plain and streamed completions, stop strings, token-id prompts,
-log-probs against the engine's own forward, echo against `forced`, usage, concurrent requests against each alone,
-bad requests; and the batching worker in process."""
+log-probs against the engine's own forward, echo against `forced`, usage, an event per streamed token, concurrent
+requests against each alone, bad requests; and the batching worker in process."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import tinyev
 import torch
 import yaml
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from evident.engine import serve
 from evident.engine.checkpoint import load_model
@@ -32,6 +33,10 @@ PROMPT = "Question: what is 12 + 30?\nAnswer:"
 PROMPTS = [f"Question: what is {i} + {3 * i}?{' so' * i}\nAnswer:" for i in range(8)]  # 8 lengths
 LIMITS = [4 + 2 * i for i in range(len(PROMPTS))]  # their max_tokens: rows end at their own lengths
 AS_IDS = {"return_tokens_as_token_ids": True}
+# the random-weight model's greedy 8 tokens of these (asserted where used): printable ASCII, a token a character or two;
+# and two 2-byte characters, each split over two tokens
+ASCII_PROMPT, WIDE_PROMPT = "six of so one two 12", "one of the and no of"
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's usage on every event
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +154,58 @@ def test_stop_strings_cut_the_text_plain_and_streamed(client, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def streamed(client, prompt, **kwargs) -> tuple[list, object]:
+    """A stream's events that carry a choice, and its last event."""
+    chunks = list(complete(client, prompt, stream=True, **kwargs))
+    return [c for c in chunks if c.choices], chunks[-1]
+
+
+def running(events) -> list[tuple[int, int, int]]:
+    return [(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage.total_tokens) for e in events]
+
+
+def test_a_stream_sends_an_event_per_token_each_with_the_usage_so_far(client, engine):
+    n = len(engine[1].encode(ASCII_PROMPT).ids)
+    # an unknown key of stream_options is ignored, as vLLM does
+    events, last = streamed(client, ASCII_PROMPT, max_tokens=8, stream_options={**CONTINUOUS, "not_an_option": 1})
+    texts = [e.choices[0].text for e in events]
+    assert all(texts) and "".join(texts).isascii()  # every token completes text here
+    assert len(events) == 8 and running(events) == [(n, k, n + k) for k in range(1, 9)]
+    assert [e.choices[0].finish_reason for e in events] == [None] * 7 + ["length"]
+    assert last.choices == [] and running([last]) == [(n, 8, n + 8)]
+    # usage on every event only with both options (vLLM's); the events are the same
+    for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+        again, _ = streamed(client, ASCII_PROMPT, max_tokens=8, stream_options=options)
+        assert [e.choices[0].text for e in again] == texts and all(e.usage is None for e in again)
+
+
+def test_a_token_within_a_character_gets_an_event_of_no_text(client, engine):
+    model, tok = engine
+    tokens = generate(model, [tok.encode(WIDE_PROMPT).ids], 8, [1]).tokens[0]
+    plain = complete(client, WIDE_PROMPT, max_tokens=8).choices[0]
+    assert not plain.text.isascii() and "\ufffd" not in plain.text  # whole characters, not all of one byte
+    events, _ = streamed(client, WIDE_PROMPT, max_tokens=8, stream_options=CONTINUOUS)
+    texts = [e.choices[0].text for e in events]
+    assert len(events) == len(tokens) and [e.usage.completion_tokens for e in events] == list(range(1, len(tokens) + 1))
+    # each event has the text its token completed: "" for a character's first byte, the character with its last
+    decoder = DecodeStream(skip_special_tokens=True)
+    assert texts == [decoder.step(tok, t) or "" for t in tokens] and "" in texts
+    assert "".join(texts) == plain.text
+
+
+def test_text_held_back_for_a_stop_string_still_gets_its_events(client):
+    texts = [e.choices[0].text for e in streamed(client, ASCII_PROMPT, max_tokens=8)[0]]
+    stop, cut = texts[5] + texts[6], "".join(texts[:5])  # the stop string is the text of tokens 6 and 7
+    assert stop_index("".join(texts), [stop]) == len(cut)
+    plain = complete(client, ASCII_PROMPT, max_tokens=8, stop=stop)
+    assert (plain.choices[0].text, plain.usage.completion_tokens) == (cut, 7)
+    events, _ = streamed(client, ASCII_PROMPT, max_tokens=8, stop=stop, stream_options=CONTINUOUS)
+    # token 6's text waits (it could start the stop string), token 7 completes the stop string: both are cut
+    assert [e.choices[0].text for e in events] == texts[:5] + ["", ""]
+    assert [e.usage.completion_tokens for e in events] == list(range(1, 8))
+    assert events[-1].choices[0].finish_reason == "stop"
+
+
 def test_token_id_prompts_give_the_text_prompts_completion(client, engine, reference):
     ids = engine[1].encode(PROMPT).ids
     for prompt in (ids, [ids]):
@@ -204,10 +261,13 @@ def test_usage_counts_plain_and_streamed(client, engine):
     n_new = sum(len(token_ids(c)) for c in r.choices)
     usage = (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens)
     assert usage == (n_prompt, n_new, n_prompt + n_new)
-    chunks = list(complete(client, prompts, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    chunks = list(complete(client, prompts, max_tokens=6, stream=True, stream_options=CONTINUOUS))
     assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
-    for c in r.choices:  # each prompt's stream, by index
-        assert "".join(k.choices[0].text for k in chunks if k.choices and k.choices[0].index == c.index) == c.text
+    for c, p in zip(r.choices, prompts):  # each prompt's stream, by index; its events count its own tokens (vLLM's)
+        own = [k for k in chunks if k.choices and k.choices[0].index == c.index]
+        assert "".join(k.choices[0].text for k in own) == c.text
+        n = len(engine[1].encode(p).ids)
+        assert running(own) == [(n, k, n + k) for k in range(1, len(token_ids(c)) + 1)]
 
 
 def test_concurrent_requests_are_token_identical_to_each_alone(client, alone):
@@ -276,6 +336,7 @@ def test_rows_with_and_without_log_probs_share_a_batch(engine, monkeypatch):
     ({"logprobs": True}, "logprobs"),  # a bool is not a count
     ({"max_tokens": True}, "max_tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # as OpenAI: only with stream
+    ({"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage"),
 ])
 def test_bad_requests_get_a_4xx_json_error(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -568,10 +629,10 @@ def test_ignore_eos_decodes_past_eos_and_a_streams_last_event_carries_its_finish
         events[i].append((i, kind, value))
     assert (jobs[0].tokens, jobs[0].finish) == (free[:free.index(eos) + 1], "stop")
     assert (jobs[1].tokens, jobs[1].finish) == (free, "length")  # on to max_tokens, as the benchmarks ask
-    for j in jobs:  # text events, then the done event with the rest: never an event of no text before it
+    for j in jobs:  # a text event a token, then the done event with the rest, with the last token (EOS's: no text)
         *texts, (_, kind, rest) = events[j.index]
-        assert kind == "done" and all(k == "text" and v for _, k, v in texts)
-        assert "".join(v for _, _, v in texts) + rest == j.text and len(events[j.index]) <= len(j.tokens)
+        assert kind == "done" and all(k == "text" for _, k, _ in texts)
+        assert "".join(v for _, _, v in texts) + rest == j.text and len(events[j.index]) == len(j.tokens)
 
 
 def test_the_decode_path_is_the_servers_choice(server, monkeypatch):

@@ -36,7 +36,7 @@ SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())["properties"]
 PROMPTS = ["Hello, evident!", "Question: what is 2 + 3?\nAnswer:"]
 BENCH = {**tinyev.defaults(SCHEMA["bench"]), "new_tokens": 4, "warmup": 1, "repeats": 3,
          "prompts": PROMPTS,  # the distinct-prompts contract beside the same-prompt one
-         "http": {"concurrency": [1, 2], "targets": None}}
+         "http": {**tinyev.defaults(SCHEMA["bench"])["http"], "concurrency": [1, 2]}}  # no rate rung: tests/test_soak.py
 BUILTIN = {"name": "engine", "kind": "builtin"}
 TRANSFORMERS_SERVE = ("{python} -m transformers.cli.transformers serve {checkpoint} --host 127.0.0.1 --port {port} "
                       "--device {device} --dtype {dtype}")
@@ -139,6 +139,23 @@ def test_no_claim_where_a_stream_event_carries_several_tokens():
     assert side["tpot_p50_ratio"] < 0.9  # the artifact: "faster" than the step it is made of
     assert side["claim"] == "no directional claim" and "tokens each" in side["reason"]
     assert side_by_side(handbuilt.http_cell(concurrency=1, tpot=5.0), inproc)["claim"] == "faster"  # an event a token
+    # the same stream, each event saying how many tokens it carried (continuous usage): TPOT leaves the first event's
+    # tokens out, so it is the step again and the claim stands
+    counted = handbuilt.http_cell(concurrency=1, tpot=20.0)
+    for r in counted["repeats"]:
+        for q in r["requests"]:
+            q["chunk_ms"], q["chunk_tokens"] = q["chunk_ms"][2:], [3] + [1] * (len(q["chunk_ms"]) - 3)
+    counted["stats"] = summarize_http(counted["repeats"], 1, counted["contract"]["new_tokens"])
+    side = side_by_side(counted, inproc)
+    assert side["tpot_p50_ratio"] == pytest.approx(2.0) and side["claim"] == "slower"
+
+
+def test_the_slowest_requests_stand_against_the_step():
+    """Steady under load: the HTTP TPOT p99 over the in-process step (TPOT p50), a round of slow requests moves it."""
+    inproc = handbuilt.cell(batch=1, tpot=10.0)
+    assert side_by_side(handbuilt.http_cell(concurrency=1, tpot=10.0), inproc)["tpot_p99_over_p50"] == pytest.approx(1.0)
+    uneven = side_by_side(handbuilt.http_cell(concurrency=1, tpot=10.0, spread=1.0), inproc)  # round i: 10 * (1 + i) ms
+    assert uneven["tpot_p99_over_p50"] > 2.5
 
 
 def test_two_http_cells_compare_as_in_process_cells_do():

@@ -115,3 +115,86 @@ def test_details_holds_the_full_tables_and_a_skipped_stage_no_image(partial):
     assert "![decode tok/s and TPOT against batch](plots/bench.png)" in details
     assert "### Overlap A/B screen (skipped)" in details
     assert "overlap.png" not in details and "overlap.png" not in text  # the skipped screen's placeholder is not shown
+
+
+# --- issue 66: the rate rung, the soak, the prefill floor ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """bench (b1 with a prefill floor, b4 sealed before it had one), serve_bench's rate rung (r2 every request good,
+    r4 two reset and too slow for the SLO, with its plot) and a failing soak (the engine passes, a url target's
+    memory is unknown, a server dies): (directory, SUMMARY.md, DETAILS.md)."""
+    import rated
+
+    root = tmp_path_factory.mktemp("served")
+    _, ev = tinyev.make(root, tinyev.config(stages=["bench", "serve_bench", "soak"]))
+    write_json(ev / "env.json", {"device": "cpu", "packages": {"torch": "2", "transformers": "5"}})
+    cells = [handbuilt.cell(batch=1), handbuilt.cell(batch=4, tpot=12.0)]
+    cells[0]["prefill_floor"] = rated.prefill_floor(20.0, 0.5)
+    for c in cells:
+        write_json(ev / f"bench/single-b{c['batch']}.json", c)
+    write_text(ev / "bench/summary.csv", benchstats.summary_frame(cells).to_csv(index=False))
+    write_json(ev / "bench/baseline.json", {"baseline": None, "cells": []})
+    write_text(ev / "plots/rates-engine.png", "a plot")
+    died = {"known": True, "samples": [[0.0, 400.0], [1.0, 401.0]], "rule": "r", "growth_mb": None, "growth": None,
+            "flagged": False, "why": "no sample in the middle or the last third (the server died first)"}
+    rated.write(ev, rates=[rated.rate_cell(rate=2), rated.rate_cell(rate=4, tpot=20.0, failed=2)],
+                soaks=[rated.soak_record("engine"), rated.soak_record("remote", kind="openai", memory=rated.URL_MEMORY),
+                       rated.soak_record("dying", kind="openai", sent=10, errors=1, died_at=1.4, memory=died)])
+    return ev, summary.render(ev, {"commit": "a" * 40}), summary.render_details(ev)
+
+
+def test_summary_shows_the_rate_rung_and_a_failing_soak_with_its_reasons(served):
+    _, text, _ = served
+    rows = gate_rows(text)
+    assert rows["soak"][:2] == ["`fail`", "**fails the run**"]
+    assert rows["soak"][2] == ("dying: 1 of 10 requests failed (first: URLError: connection refused); "
+                               "dying: the server died 1.4 s into the soak, exit code -9")
+    # 4 tokens a request over 3 s; goodput: requests within TTFT <= 100 ms and TPOT <= 10 ms, a second
+    assert "goodput under TTFT ≤ 100 ms and TPOT ≤ 10 ms; one run a rate: no noise estimate, no claim" in text
+    assert "| `engine` | 2 | 6/6 | 20.00 / 20.00 | 5.00 / 5.00 | 8.0 | 2.00/s (6/6) |" in text
+    assert "| `engine` | 4 | 4/6 | 20.00 / 20.00 | 20.00 / 20.00 | 5.3 | 0.00/s (0/6) |" in text
+    assert "| `engine` | 30/30 | 0 | ran throughout | +0.0 MB (+0.0%) | 1.10x |" in text
+    assert "| `remote` | 30/30 | 0 | ran throughout | unknown | 1.10x |" in text
+    assert "| `dying` | 10/30 | 1 | died at 1.4 s (exit -9) | unknown | — |" in text
+    assert "- dying: the server died 1.4 s into the soak, exit code -9" in text
+    assert "| single | same | 10.00 / 100; TTFT 40.0x floor | 12.00 / 333 |" in text  # b4 has no floor: none shown
+    assert_pasteable(text)
+    assert "![" not in text
+
+
+def test_details_show_every_rate_figure_the_plot_the_soak_and_the_prefill_floor(served):
+    _, _, details = served
+    assert "![engine: output tok/s and goodput against TPOT p50, a point a rate](plots/rates-engine.png)" in details
+    assert "- `engine`: 6 requests a rate at poisson arrivals (seed 0)" in details
+    r4 = next(line for line in details.splitlines() if line.startswith("| `engine` | 4 "))
+    assert [c.strip() for c in r4.strip("|").split("|")][:8] == ["`engine`", "4", "4/6", "2", "3.00", "1.33", "5.3",
+                                                                 "0.00/s (0/6)"]
+    assert "- `http-engine-r4`: 2 failed; first: request 4, ConnectionResetError: reset by peer" in details
+    assert "**Verdict: `fail`** — dying: 1 of 10 requests failed" in details
+    assert "- `remote`: unknown, not 0: a url target: its server runs elsewhere." in details
+    assert "- `dying`: growth unknown, no sample in the middle or the last third (the server died first)" in details
+    assert "- `dying` request 9: URLError: connection refused" in details
+    assert "- `killed | by the test`" in details  # the dead server's last log lines
+    prefill = {line.split("|")[3].strip(): line for line in details.splitlines() if line.startswith("| single ")
+               and line.count("|") == 12}
+    assert "40.0x" in prefill["1"] and "0.500" in prefill["1"] and "flops" in prefill["1"]
+    assert [c.strip() for c in prefill["4"].split("|")[4:12]] == ["—"] * 8  # sealed before it had one
+
+
+def test_an_older_directory_renders_without_rates_soak_or_prefill_floor(partial):
+    _, text, details = partial
+    assert gate_rows(text)["soak"] == ["—", "not run (not in the campaign's `stages:`)", "—"]
+    for doc in (text, details):
+        assert "request rates" not in doc and "### Soak" not in doc and "prefill floor" not in doc.lower()
+    assert "x floor" not in text and "| single | same | 10.00 / 100 |" in text
+
+
+@pytest.mark.parametrize(("doc", "headline"), [
+    ({"verdict": "pass", "verdict_reason": "`engine` 102 requests, 0 errors, RSS +0.0 MB (+0.0%)", "reason": None},
+     "`engine` 102 requests, 0 errors, RSS +0.0 MB (+0.0%)"),
+    ({"verdict": "fail", "verdict_reason": "`leaky` 25 requests, 0 errors", "reason": "leaky: memory grew +238.1 MB"},
+     "leaky: memory grew +238.1 MB"),
+])
+def test_the_soak_gates_headline_is_its_figures_or_why_it_fails(doc, headline, tmp_path):
+    assert summary.gate_figure(gates.BY_NAME["soak"], doc, tmp_path) == headline

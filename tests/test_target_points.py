@@ -22,7 +22,8 @@ from evident.workflow.core.evidence import Stage, read_json, write_json, write_m
 from evident.workflow.core.layout import MANIFEST
 from evident.workflow.parity import gsm8k
 from evident.workflow.plan import targets
-from evident.workflow.stages import gate, seal, serve_bench
+from evident.workflow.bench import load
+from evident.workflow.stages import gate, seal
 
 # --- A. the gate record, passing or failing ---------------------------------------------------------------------
 
@@ -250,9 +251,9 @@ def stops_early():
 
 def test_a_server_that_takes_ignore_eos_and_stops_early_is_not_credited_with_it(shared):  # noqa: F811
     with stops_early() as url:
-        extra = serve_bench.probe(targets.Client(url).connect(), "x")
+        extra = load.probe(targets.Client(url).connect(), "x")
         assert "ignore_eos" in extra  # it takes the field...
-        assert serve_bench.eos_probe(targets.Client(url).connect(), extra, ["x"], 4) == "ignored"  # ...and ignores it
+        assert load.eos_probe(targets.Client(url).connect(), extra, ["x"], 4) == "ignored"  # ...and ignores it
         cells = run_stage(shared, {"name": "llama-like", "kind": "openai", "url": url})
     contract = cells["http-llama-like-c1"]["contract"]
     assert contract["request_extras"] == ["stream_options"] and contract["ignore_eos"] == "ignored"
@@ -266,16 +267,16 @@ def test_the_engines_server_honours_ignore_eos_where_a_prompt_meets_eos(shared, 
     ckpt = shared[0]
     with targets.engine_server(ckpt, "cpu", "float32", tmp_path / "a.log") as (url, _):
         client = targets.Client(url).connect()
-        assert serve_bench.eos_probe(client, serve_bench.probe(client, "x"), ["Hello, evident!"], 4) == "unverified"
+        assert load.eos_probe(client, load.probe(client, "x"), ["Hello, evident!"], 4) == "unverified"
     eos = tmp_path / "eos"
     shutil.copytree(ckpt, eos)
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(vocab))}))
     with targets.engine_server(eos, "cpu", "float32", tmp_path / "b.log") as (url, _):
         client = targets.Client(url).connect()
-        extra = serve_bench.probe(client, "x")
-        assert serve_bench.stopped_early(client, {"prompt": "x", "max_tokens": 4, **serve_bench.USAGE}) is True
-        assert serve_bench.eos_probe(client, extra, ["Hello, evident!"], 4) == "honoured"
+        extra = load.probe(client, "x")
+        assert load.stopped_early(client, {"prompt": "x", "max_tokens": 4, **load.USAGE}) is True
+        assert load.eos_probe(client, extra, ["Hello, evident!"], 4) == "honoured"
 
 
 def test_the_builtin_engine_records_ignore_eos_as_unverified(shared):  # noqa: F811

@@ -10,7 +10,7 @@ import handbuilt as hb
 import pandas as pd
 import pytest
 
-from evident.workflow.archive import trend
+from evident.workflow.archive import diff, trend
 from evident.workflow.bench import benchstats
 from evident.workflow.core import terminal
 from evident.workflow.core.evidence import Stage, write_manifest
@@ -287,3 +287,31 @@ def test_a_loaded_machine_is_noise_and_a_slow_down_a_regression(tmp_path, capsys
     assert rows[("single-b4", 3)]["reason"].startswith("difference within noise (|+0.00%|")  # against #1 too
     assert "13.130 ~" in out and "26.260 ~" in out and "12.120 ▲" in out
     assert out.count("~") - trend.LEGEND.count("~") >= 5  # hf-b1 noisy in all three, single-b1 and -b4 at #2
+
+
+def test_rate_cells_are_series_with_no_band_and_never_a_claim(tmp_path, capsys):
+    """http-engine-r2 over three directories: twice as slow at the second is no regression (one run a rate: no
+    noise estimate), a changed SLO at the third is not comparable (≠); `--metric goodput` shows the rate cells only."""
+    import rated
+
+    root = tmp_path / "evidence"
+    for i, cell in enumerate([rated.rate_cell(tpot=5.0), rated.rate_cell(tpot=10.0, failed=3),
+                              rated.rate_cell(tpot=10.0, slo={"ttft_ms": 1000, "tpot_ms": 50})]):
+        ev = hb.build(root, "tiny", f"{'abc'[i] * 7}-c11111111-r1", plot=False, seal=False)
+        rated.write(ev, rates=[cell])
+        rated.seal(ev, f"2026-01-0{i + 1}T00:00:00Z")
+    code, out, err = run(capsys, root, "--campaign", "tiny")
+    assert code == 0, err
+    frame = read_csv(root / "_trends/tiny.csv")
+    rows = {r["order"]: r for r in frame.to_dict("records") if r["cell"] == "http-engine-r2"}
+    assert [rows[i]["value"] for i in (1, 2, 3)] == [5.0, 10.0, 10.0]
+    assert (rows[2]["target"], rows[2]["rate"], rows[2]["claim"]) == ("engine", 2.0, "no directional claim")
+    assert rows[2]["reason"] == diff.ONE_RUN and rows[2]["tpot_p50_change_pct"] == pytest.approx(100.0)
+    assert "contract differs (keys slo)" in rows[3]["reason"] and not frame["regression"].any()
+    assert all(pd.isna(r["band_lo"]) for r in rows.values())
+    assert "5.000" in out and "10.000 ▲" not in out and "10.000 ~" not in out and "10.000 ≠" in out
+    code, out, err = run(capsys, root, "--campaign", "tiny", "--metric", "goodput")
+    assert code == 0, err
+    frame = read_csv(root / "_trends/tiny-goodput.csv")
+    assert set(frame["cell"]) == {"http-engine-r2"}  # single-b1 has no goodput: not a row
+    assert list(frame["value"]) == pytest.approx([2.0, 1.0, 2.0])  # 6, 3 then 6 good requests over 3 s

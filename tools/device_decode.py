@@ -51,9 +51,15 @@ def build(layers: int, ep=None) -> Transformer:
     args = ModelArgs.from_hf(cfg)
     with torch.device("cuda"):
         model = Transformer(args, ep).to(torch.bfloat16)
+    return randomize(model, "cuda")
+
+
+def randomize(model: Transformer, device: str) -> Transformer:
+    """Random weights in place, each parameter drawn from a generator seeded by its name (the same model on every
+    rank and every build; std 0.08, as the DeepSeek-V2-Lite campaigns' synthetic checkpoints), the router in fp32."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))  # the same on every rank
+            g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:

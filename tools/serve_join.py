@@ -28,12 +28,12 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from evident.engine.serve import JOINS  # noqa: E402
 from evident.workflow.bench.benchstats import summarize_http  # noqa: E402
-from evident.workflow.core import layout
+from evident.workflow.core import layout  # noqa: E402
 from evident.workflow.core.evidence import read_config  # noqa: E402
 from evident.workflow.plan import environment, targets  # noqa: E402
 from evident.workflow.plan.estimate import checkpoint_dir  # noqa: E402
 from evident.workflow.plan.runs import DISTINCT, SAME, prompt_texts  # noqa: E402
-from evident.workflow.stages.serve_bench import USAGE, round_of  # noqa: E402
+from evident.workflow.bench.load import USAGE, round_of  # noqa: E402
 
 
 def policy(join: str, ckpt: Path, cfg: dict, texts: list[str], gap_s: float | None, log: Path) -> dict:

@@ -11,7 +11,7 @@ from evident.workflow.archive.archive import Evidence, as_dict
 from evident.workflow.bench import benchstats
 from evident.workflow.core import layout
 from evident.workflow.core.evidence import flatten
-from evident.workflow.plan.runs import cell_label, cell_prompts, is_http, label_key, run_name
+from evident.workflow.plan.runs import cell_label, cell_prompts, is_http, is_rate, label_key, run_name
 
 IGNORED_CONFIG_KEYS = {"repeat", "bench.baseline"}
 """Config keys that differ between comparable runs by design: they do not limit a comparison."""
@@ -26,12 +26,13 @@ def bench_cells(ev: Evidence) -> dict[str, list[tuple[str, dict]]]:
     prompt contract, so two paths, or the same-prompt and distinct-prompts cells (`single-graph-distinct-b8`), at one
     backend and batch are two cells. A record without `kernels` predates it: the torch path; without a prompt
     contract: same-prompt. A cell of the benchmark over HTTP is labelled by its target and concurrency
-    (`http-engine-c4`, runs.http_cell), never as an in-process one. Every file that claims a cell is kept, so that two
-    of them are reported, not one silently chosen."""
+    (`http-engine-c4`, runs.http_cell), never as an in-process one; a cell of its rate rung by its target and rate
+    (`http-engine-r2`, runs.rate_cell). Every file that claims a cell is kept, so that two of them are reported, not
+    one silently chosen."""
     cells: dict[str, list[tuple[str, dict]]] = {}
     for p in sorted((ev.path / layout.BENCH).glob("*.json")):
         cell = ev.read(layout.bench_cell(p.stem))
-        if is_http(cell) or isinstance(cell, dict) and "backend" in cell and "batch" in cell:
+        if is_http(cell) or is_rate(cell) or isinstance(cell, dict) and "backend" in cell and "batch" in cell:
             try:
                 key = cell_label(cell)
             except (TypeError, ValueError, OverflowError, KeyError):
@@ -42,12 +43,13 @@ def bench_cells(ev: Evidence) -> dict[str, list[tuple[str, dict]]]:
 
 def identity(cell: dict) -> dict:
     """What a diff or trend row says a cell is: backend, path, prompt contract and batch, or (HTTP; backend and batch
-    None) target, path (the builtin engine's), prompt contract and concurrency."""
-    if is_http(cell):
+    None) target, path (the builtin engine's), prompt contract and concurrency, or (the rate rung) its rate."""
+    if is_http(cell) or is_rate(cell):
         return {"backend": None, "kernels": cell.get("kernels"), "prompts": cell_prompts(cell), "batch": None,
-                "target": str(cell["target"]), "concurrency": int(cell["concurrency"])}
+                "target": str(cell["target"]), "concurrency": int(cell["concurrency"]) if is_http(cell) else None,
+                "rate": float(cell["rate"]) if is_rate(cell) else None}
     return {"backend": str(cell["backend"]), "kernels": str(cell.get("kernels", "torch")), "prompts": cell_prompts(cell),
-            "batch": int(cell["batch"]), "target": None, "concurrency": None}
+            "batch": int(cell["batch"]), "target": None, "concurrency": None, "rate": None}
 
 
 def tok_s(cell: dict | None) -> float | None:
@@ -95,18 +97,83 @@ def bench_diff(a: Evidence, b: Evidence) -> list[dict]:
         row = {"cell": key, **identity(either),
                "a_tpot_p50_ms": _stat(x, "tpot", "p50"), "b_tpot_p50_ms": _stat(y, "tpot", "p50"),
                "a_tok_s": tok_s(x), "b_tok_s": tok_s(y), **claim}
-        same = claim["tpot_p50_change_pct"] is not None
+        rate = is_rate(either)
+        # a rate cell's ratios stand where the two measured the same thing, though neither side has a noise estimate
+        same = claim["reason"] == ONE_RUN if rate else claim["tpot_p50_change_pct"] is not None
         row["tpot_p50_ratio"] = _ratio(row["b_tpot_p50_ms"], row["a_tpot_p50_ms"]) if same else None
         row["tok_s_ratio"] = _ratio(row["b_tok_s"], row["a_tok_s"]) if same else None
+        if rate:
+            row["figures"] = rate_figures(x, y, same)
+            if x is not None and y is not None and not several:  # the terminal shows the reason: every figure in it
+                row["reason"] += ". " + figures_text(row["figures"])
         out.append(row)
     return out
+
+
+ONE_RUN = "one run a rate, no noise estimate"
+"""Why two comparable cells of the rate rung make no directional claim: each rate runs once, no repeats (trend reads
+it)."""
+
+RATE_FIGURES = {  # a rate cell's figures a diff compares: (the name it prints, its unit, where in `stats`)
+    "completed": ("completed", "", ("completed",)),
+    "ttft_p50_ms": ("TTFT p50", " ms", ("ttft", "p50")), "ttft_p99_ms": ("TTFT p99", " ms", ("ttft", "p99")),
+    "tpot_p50_ms": ("TPOT p50", " ms", ("tpot", "p50")), "tpot_p99_ms": ("TPOT p99", " ms", ("tpot", "p99")),
+    "output_tok_s": ("output tok/s", "", ("output_tok_s",)), "goodput": ("goodput", "/s", ("goodput",)),
+}
+
+
+def rate_claim(current: dict, baseline: dict) -> dict:
+    """Two cells of the rate rung (`http-<target>-r<R>`): never a directional claim, since a rate is run once and so
+    has no noise estimate (the reason ONE_RUN, with the changes, where they measured the same thing); where their
+    contracts (SLO, requests, seed, prompt, ...), versions or model differ, what differs and no change."""
+    reasons = []
+    for key, what in (("contract", "contract differs (keys {})"), ("versions", "versions differ ({})"),
+                      ("model", "model differs ({})")):
+        if not isinstance(current.get(key), dict) or not isinstance(baseline.get(key), dict):
+            return no_claim(f"malformed cell: no {key}")
+        if keys := _changed(current[key], baseline[key]):
+            reasons.append(what.format(", ".join(keys)))
+    if reasons:
+        return no_claim("; ".join(reasons))
+    pct = lambda b, a: None if a is None or b is None or a == 0 else (b - a) / a * 100.0  # noqa: E731
+    return {**no_claim(ONE_RUN), "tpot_p50_change_pct": pct(_stat(current, "tpot", "p50"), _stat(baseline, "tpot", "p50")),
+            "tok_s_change_pct": pct(tok_s(current), tok_s(baseline))}
+
+
+def rate_figures(a: dict | None, b: dict | None, same: bool) -> dict:
+    """Each of RATE_FIGURES on both sides, and B/A where the two measured the same thing (`same`); `requests` beside
+    `completed`. A rate where nothing completed has no percentile (None)."""
+    out = {}
+    for name, (_, _, keys) in RATE_FIGURES.items():
+        x, y = _stat(a, *keys), _stat(b, *keys)
+        out[name] = {"a": x, "b": y, "ratio": _ratio(y, x) if same and name != "completed" else None}
+    out["completed"].update(a_requests=_stat(a, "requests"), b_requests=_stat(b, "requests"))
+    return out
+
+
+def figures_text(figures: dict) -> str:
+    """A rate row's figures in words, A → B (B/A): what the terminal's footnote prints."""
+    def v(x, unit=""):
+        return "—" if x is None else f"{x:.4g}{unit}"
+
+    c = figures["completed"]
+    parts = [f"completed {v(c['a'])}/{v(c['a_requests'])} → {v(c['b'])}/{v(c['b_requests'])}"]
+    for name, (what, unit, _) in RATE_FIGURES.items():
+        f = figures[name]
+        if name != "completed" and (f["a"] is not None or f["b"] is not None):
+            parts.append(f"{what} {v(f['a'])} → {v(f['b'], unit)}" + (f" ({f['ratio']:.3f})" if f["ratio"] is not None else ""))
+    ratios = any(f.get("ratio") is not None for f in figures.values())
+    return ("A → B (B/A): " if ratios else "A → B: ") + ", ".join(parts)
 
 
 no_claim = benchstats.no_claim
 
 
 def cell_claim(current: dict, baseline: dict) -> dict:
-    """benchstats.directional_claim, a malformed cell being no claim rather than an error."""
+    """benchstats.directional_claim (rate_claim for the rate rung's cells), a malformed cell being no claim rather
+    than an error."""
+    if is_rate(current) or is_rate(baseline):
+        return rate_claim(current, baseline)
     try:
         return benchstats.directional_claim(current, baseline)
     except (benchstats.BenchError, KeyError, TypeError, ValueError, AttributeError) as e:

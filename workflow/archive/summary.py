@@ -17,7 +17,7 @@ from evident.workflow.core.verdicts import worst
 from evident.workflow.models import checkpoints
 from evident.workflow.parity.traces import markdown
 from evident.workflow.plan import screens
-from evident.workflow.plan.runs import DISTINCT, SAME, SHORT, STAGES, cell_prompts
+from evident.workflow.plan.runs import DISTINCT, SAME, SHORT, STAGES, cell_label, cell_prompts, is_rate, label_key
 
 
 def _at(d: dict) -> str:
@@ -255,6 +255,8 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         *parity_brief(comparison),
         *bench_brief(root, frames),
         *http_brief(frames),
+        *rate_brief(rates := rate_cells(root)),
+        *soak_brief(root),
         *profile_brief(root),
         "### What ran",
         "",
@@ -262,6 +264,7 @@ def render(evidence_dir: str | Path, git: dict) -> str:
         "### Claim boundary",
         "",
         *claim_boundary(root, oracle, comparison, config, env, ckpt, frames),
+        *rate_soak_boundary(rates, root),
         "",
         f"Plots, full tables and each first divergence: `{DETAILS}` beside this file, the archive page "
         f"`{PAGES}/{config['campaign']}/{root.name}.html` (`evident html`) and the MLflow parent run tagged "
@@ -283,6 +286,8 @@ def render_details(evidence_dir: str | Path) -> str:
         *oracle_section(oracle, comparison, config),
         *bench_section(root, frames, config),
         *http_section(root, frames, config),
+        *rate_section(root, rate_cells(root)),
+        *soak_section(root),
         *overlap_section(root),
         *audit_section(root),
         *quality_section(root),
@@ -347,12 +352,24 @@ def gate_figure(gate: gates.Gate, doc: dict | None, root: Path) -> str:
         if not doc["kernels"]:
             return doc.get("reason") or "—"
         return f"{len(doc['kernels'])} specialisations, {sum(k['spills'] for k in doc['kernels'])} spills"
+    if gate.name == "soak" and doc.get("reason"):  # a failing soak: why, each target's reasons
+        return _cell(doc["reason"])
     if "screens" in doc:  # the campaign's screens (overlap/screens.json): each one's verdict
         return ", ".join(f"`{e['name']}` `{e['verdict']}`" for e in doc["screens"])
     envelopes = (doc.get("timing") or {}).get("envelopes") or {}  # the built-in screen's document
     if envelopes:
         return "B/A " + ", ".join(f"{env} {e['ratio_b_over_a']:.3f}" for env, e in envelopes.items())
-    return doc.get("verdict_reason") or doc.get("reason") or "—"
+    return _cell(doc.get("verdict_reason") or doc.get("reason") or "—")
+
+
+def _oneline(text) -> str:
+    """Free text (a server's error, a reason, a log line) on one line."""
+    return " ".join(str(text).split())
+
+
+def _cell(text) -> str:
+    """Free text fit for a table cell: one line, no bare `|`."""
+    return _oneline(text).replace("|", "\\|")
 
 
 def _read(path: Path) -> dict | None:
@@ -431,9 +448,17 @@ def bench_brief(root: Path, frames) -> list[str]:
     if frames is None:
         return []
     noisy = lambda r: " (noisy)" if r.noisy else ""  # noqa: E731
-    out = ["### Decode benchmark, in process (steady TPOT p50 ms / decode tok/s; a noisy cell makes no claim)", "",
-           _pivot(list(frames[0].itertuples(index=False)), "batch",
-                  lambda r: f"{r.tpot_p50_ms:.2f} / {r.decode_tok_s:.0f}{noisy(r)}"), ""]
+    floors = prefill_floors(_bench_cells(root))
+
+    def figure(r) -> str:
+        fl = floors.get((r.backend, r.prompts, int(r.batch)))
+        return (f"{r.tpot_p50_ms:.2f} / {r.decode_tok_s:.0f}{noisy(r)}"
+                + (f"; TTFT {fl['ttft_over_floor']:.1f}x floor" if fl else ""))
+
+    out = ["### Decode benchmark, in process (steady TPOT p50 ms / decode tok/s"
+           + ("; TTFT p50 over its prefill floor where the cell has one" if floors else "")
+           + "; a noisy cell makes no claim)", "",
+           _pivot(list(frames[0].itertuples(index=False)), "batch", figure), ""]
     baseline = read_json(root / layout.BASELINE)
     if baseline["baseline"]:
         claims: dict[str, int] = {}
@@ -549,6 +574,7 @@ def bench_section(root: Path, frames=None, config: dict | None = None) -> list[s
         markdown_table(frame),
         "",
         *bench_floor_lines(cells),
+        *prefill_lines(cells),
         "![decode tok/s and TPOT against batch](plots/bench.png)",
         "",
     ]
@@ -862,4 +888,234 @@ def profile_section(root: Path) -> list[str]:
         "![top kernels](plots/profile.png)",
         "",
     ]
+    return out
+
+
+# --- prefill floors, the rate rung and the soak (issue 66): files a directory sealed before them lacks -------------
+
+def _n(v, fmt: str = ".2f", unit: str = "") -> str:
+    """A figure, or — where the record has none (a rate where nothing completed, an older record)."""
+    return "—" if v is None else f"{v:{fmt}}{unit}"
+
+
+def prefill_floors(cells: list[dict]) -> dict[tuple, dict]:
+    """Each in-process cell's `prefill_floor` by (backend, prompts, batch), summary.csv's key; a cell sealed before
+    it has none."""
+    return {(c["backend"], cell_prompts(c), int(c["batch"])): c["prefill_floor"] for c in cells
+            if isinstance(c.get("prefill_floor"), dict) and c["prefill_floor"].get("ttft_over_floor") is not None}
+
+
+def prefill_lines(cells: list[dict]) -> list[str]:
+    """DETAILS.md's table of each cell's TTFT p50 against its prefill floor (workflow/bench/floor.py), — where a cell
+    has none."""
+    floors = prefill_floors(cells)
+    if not floors:
+        return []
+    basis = min(floors.values(), key=lambda f: f.get("ranks", 1)).get("basis")  # one process's words, not a rank's
+    rows = []
+    for c in sorted(cells, key=lambda c: (c["backend"], cell_prompts(c) != SAME, int(c["batch"]))):
+        fl = floors.get((c["backend"], cell_prompts(c), int(c["batch"])))
+        ux = (fl or {}).get("unique_experts") or {}
+        rows.append([c["backend"], SHORT.get(cell_prompts(c), cell_prompts(c)), c["batch"],
+                     *(["—"] * 8 if not fl else [
+                         fl.get("prompt_tokens", "—"), _n(fl.get("ttft_p50_ms"), ".3f"), _n(fl.get("floor_ms"), ".3f"),
+                         fl.get("bound") or "—", _n(fl.get("ttft_over_floor"), ".1f", "x"),
+                         _n((fl.get("bytes") or {}).get("total", 0) / 1e6, ".2f"), _n(fl.get("flops", 0) / 1e9, ".3f"),
+                         f"{ux['mean']:.1f} ({ux['min']}–{ux['max']}) of {ux['experts']}" if ux else "—"])])
+    return [f"Prefill floor (TTFT p50 against it): {basis}." if basis else "Prefill floor (TTFT p50 against it):", "",
+            markdown(["backend", "prompts", "batch", "prompt tokens", "TTFT p50 (ms)", "prefill floor (ms)", "bound",
+                      "TTFT / floor", "MB read", "GFLOP", "unique experts a MoE layer"], rows), ""]
+
+
+def rate_cells(root: Path) -> list[dict]:
+    """The directory's cells of the rate rung (bench/http-<target>-r<R>.json, runs.is_rate), in label order."""
+    cells = [c for p in sorted((root / layout.BENCH).glob("*.json")) if is_rate(c := read_json(p))]
+    return sorted(cells, key=lambda c: label_key(cell_label(c)))
+
+
+def _slo(slo: dict | None) -> str:
+    return f"TTFT ≤ {slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms" if slo else "no SLO"
+
+
+def _p(s: dict, metric: str, qs=("p50", "p99")) -> str:
+    """A metric's percentiles `a / b` (ms), — where nothing completed."""
+    m = s.get(metric)
+    return " / ".join(f"{m[q]:.2f}" for q in qs) if isinstance(m, dict) else "—"
+
+
+def _goodput(s: dict) -> str:
+    return "—" if s.get("goodput") is None else f"{s['goodput']:.2f}/s ({s['good']}/{s['requests']})"
+
+
+def rate_brief(cells: list[dict]) -> list[str]:
+    """SUMMARY.md's rate rung: a row a target and rate, what completed, TTFT and TPOT, throughput and goodput."""
+    if not cells:
+        return []
+    slos = list(dict.fromkeys(_slo((c.get("stats") or {}).get("slo")) for c in cells))
+    rows = [[f"`{c['target']}`", f"{float(c['rate']):g}", f"{s.get('completed')}/{s.get('requests')}",
+             _p(s, "ttft"), _p(s, "tpot"), _n(s.get("output_tok_s"), ".1f"), _goodput(s)]
+            for c in cells for s in [c.get("stats") or {}]]
+    return [f"### Benchmark over HTTP at request rates (Poisson arrivals; goodput under {' or '.join(slos)}; one run a "
+            "rate: no noise estimate, no claim)", "",
+            _table(["target", "rate /s", "completed", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "output tok/s",
+                    "goodput (good)"], rows), ""]
+
+
+def rate_section(root: Path, cells: list[dict]) -> list[str]:
+    """DETAILS.md's rate rung: each target's contract, every figure of every rate, the failures, each target's plot."""
+    if not cells:
+        return []
+    out = ["### Benchmark over HTTP at request rates (streaming /v1/completions at Poisson arrivals)", ""]
+    for target in dict.fromkeys(c["target"] for c in cells):
+        k = next(c.get("contract") or {} for c in cells if c["target"] == target)
+        out.append(f"- `{target}`: {k.get('requests')} requests a rate at {k.get('arrivals')} arrivals (seed "
+                   f"{k.get('seed')}), {k.get('new_tokens')} new tokens a request, prompt of {k.get('prompt_tokens')} "
+                   f"tokens, request extras {', '.join(k.get('request_extras') or []) or 'none'}, ignore_eos "
+                   f"{k.get('ignore_eos')}; goodput under {_slo(k.get('slo'))}.")
+    rows = [[f"`{c['target']}`", f"{float(c['rate']):g}", f"{s.get('completed')}/{s.get('requests')}", s.get("failed"),
+             _n(s.get("duration_s")), _n(s.get("request_throughput")), _n(s.get("output_tok_s"), ".1f"), _goodput(s),
+             *(_p(s, m, ("p50", "p95", "p99")) for m in ("ttft", "tpot", "itl", "e2e"))]
+            for c in cells for s in [c.get("stats") or {}]]
+    out += ["", markdown(["target", "rate /s", "completed", "failed", "seconds", "requests/s", "output tok/s",
+                          "goodput (good)", "TTFT ms p50 / p95 / p99", "TPOT ms p50 / p95 / p99",
+                          "ITL ms p50 / p95 / p99", "E2E ms p50 / p95 / p99"], rows), "",
+            "As vLLM's `bench serve --request-rate` reports them, timed on the client: the percentiles over the "
+            "completed requests; requests/s, output tok/s and goodput (requests within every SLO bound) a second over "
+            "the cell's duration, first request sent to last answer's end. A request that failed or cannot be "
+            "measured completed nothing and misses the SLO. Each rate runs once: no repeats, so no noise estimate and "
+            "no claim, here or against another directory (`evident diff` shows both figures and the ratio).", ""]
+    for c in cells:
+        if failures := (c.get("stats") or {}).get("failures"):
+            out.append(f"- `{cell_label(c)}`: {len(failures)} failed; first: request {failures[0].get('request')}, "
+                       f"{_oneline(failures[0].get('error'))[:300]}")
+    if out[-1] != "":
+        out.append("")
+    for target in dict.fromkeys(c["target"] for c in cells):
+        if (root / layout.rate_plot(target)).is_file():
+            out += [f"![{target}: output tok/s and goodput against TPOT p50, a point a rate]({layout.rate_plot(target)})", ""]
+    return out
+
+
+def soak_records(root: Path) -> tuple[dict | None, list[dict]]:
+    """soak/gate.json and each of its targets' records (None, [] where the soak did not run)."""
+    gate = _read(root / layout.SOAK_GATE)
+    if gate is None:
+        return None, []
+    return gate, [r for t in (gate.get("targets") or {}) if (r := _read(root / layout.soak_record(t)))]
+
+
+def _died(r: dict) -> str:
+    sv = r.get("server") or {}
+    if sv.get("failed"):
+        return "did not start"
+    if sv.get("died"):
+        return f"died at {_n(sv.get('at_s'), '.1f')} s (exit {sv.get('exit_code')})"
+    return "ran throughout"
+
+
+def _memory(m: dict | None) -> str:
+    m = m or {}
+    if m.get("growth_mb") is None:
+        return "unknown"  # a url target's, or a server dead before its last third: why, in DETAILS.md
+    return f"{m['growth_mb']:+.1f} MB ({m['growth']:+.1%})" + (" **flagged**" if m.get("flagged") else "")
+
+
+def _drift(r: dict, metric: str = "tpot") -> str:
+    ratio = ((r.get("latency") or {}).get("last_over_first") or {}).get(metric)
+    return _n(ratio, ".2f", "x")
+
+
+def _soak_contract(records: list[dict]) -> str:
+    k = records[0].get("contract") or {} if records else {}
+    return (f"{_n(k.get('duration_s'), 'g')} s at {_n(k.get('rate'), 'g')} requests/s, {k.get('arrivals')} arrivals, "
+            f"seed {k.get('seed')}")
+
+
+def soak_brief(root: Path) -> list[str]:
+    """SUMMARY.md's soak: a row a target (requests, errors, its server's death, memory growth, TPOT drift), then
+    why it fails."""
+    gate, records = soak_records(root)
+    if gate is None:
+        return []
+    rows = [[f"`{r['target']}`", f"{(c := r.get('counts') or {}).get('sent')}/{c.get('planned')}", c.get("errors"),
+             _died(r), _memory(r.get("memory")), _drift(r)] for r in records]
+    return [f"### Soak (`{gate['verdict']}`; {_soak_contract(records)})", "",
+            _table(["target", "sent / planned", "errors", "server", "RSS growth", "TPOT p50 last / first"], rows), "",
+            *[f"- {_oneline(why)}" for r in records for why in r.get("reasons") or []],
+            *([""] if any(r.get("reasons") for r in records) else [])]
+
+
+def soak_section(root: Path) -> list[str]:
+    """DETAILS.md's soak: the verdict and rules, each target's requests, latency drift and memory, its errors and a
+    dead server's last log lines."""
+    gate, records = soak_records(root)
+    if gate is None:
+        return []
+    out = [f"### Soak ({_soak_contract(records)})", "",
+           f"**Verdict: `{gate['verdict']}`** — {gate.get('reason') or gate.get('verdict_reason') or '—'}.", "",
+           *[f"- {what}: {rule}." for what, rule in (gate.get("rules") or {}).items()], ""]
+    if not records:
+        return out
+    out += [markdown(["target", "kind", "server", "sent / planned", "unsent", "errors", "TTFT ms p50 / p99",
+                      "TPOT ms p50 / p99", "output tok/s", "verdict"],
+                     [[f"`{r['target']}`", f"{r.get('kind')} ({r.get('started')})", _died(r),
+                       f"{c.get('sent')}/{c.get('planned')}", c.get("unsent"), c.get("errors"), _p(s, "ttft"),
+                       _p(s, "tpot"), _n(s.get("output_tok_s"), ".1f"), f"`{r.get('verdict')}`"]
+                      for r in records for c, s in [(r.get("counts") or {}, r.get("stats") or {})]]), ""]
+    lat = [r for r in records if r.get("latency")]
+    if lat:
+        def window(r, metric):
+            lt = r["latency"]
+            a, b = (lt.get(w) or {} for w in ("first_p50_ms", "last_p50_ms"))
+            return f"{_n(a.get(metric))} → {_n(b.get(metric))} ({_drift(r, metric)})"
+
+        out += [f"Latency drift, p50 of the requests sent in each window (ms, last / first; recorded, not gated: two "
+                f"windows of one soak hold no noise estimate). Windows: {lat[0]['latency'].get('rule')}.", "",
+                markdown(["target", "first window", "last window", "TTFT", "TPOT", "E2E"],
+                         [[f"`{r['target']}`", f"{r['latency'].get('first_requests')} requests",
+                           f"{r['latency'].get('last_requests')} requests",
+                           *(window(r, m) for m in ("ttft", "tpot", "e2e"))] for r in lat]), ""]
+    out += ["Memory, the resident set of the server's process tree:", ""]
+    for r in records:
+        m = r.get("memory") or {}
+        if not m.get("known"):
+            out.append(f"- `{r['target']}`: {m.get('why') or 'unknown'}.")
+            continue
+        line = (f"- `{r['target']}`: growth unknown, {m.get('why')}" if m.get("growth_mb") is None else
+                f"- `{r['target']}`: middle third {_n(m.get('middle_mb'), '.1f')} MB, last third "
+                f"{_n(m.get('last_mb'), '.1f')} MB, growth {_memory(m)}")
+        out.append(line + f"; over time (s: MB): {_samples(m.get('samples') or [])}.")
+    out.append("")
+    for r in records:
+        c, sv = r.get("counts") or {}, r.get("server") or {}
+        for e in c.get("error_samples") or []:
+            out.append(f"- `{r['target']}` request {e.get('request')}: {_oneline(e.get('error'))[:300]}")
+        if sv.get("failed"):
+            out.append(f"- `{r['target']}` did not start: {_oneline(sv['failed'])}")
+        if sv.get("log_tail"):
+            out += ["", f"`{r['target']}` server log, its last {len(sv['log_tail'])} lines:", "",
+                    *[f"- `{_oneline(line).replace('`', chr(39))}`" for line in sv["log_tail"] if line.strip()]]
+    return out + ([""] if out[-1] != "" else [])
+
+
+SAMPLES_SHOWN = 12  # memory samples a DETAILS.md line shows, evenly spaced (the record has them all)
+
+
+def _samples(samples: list) -> str:
+    if not samples:
+        return "no sample"
+    step = max(1, -(-len(samples) // SAMPLES_SHOWN))
+    shown = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return ", ".join(f"{round(t, 1):g}: {mb:.1f}" for t, mb in shown)
+
+
+def rate_soak_boundary(rates: list[dict], root: Path) -> list[str]:
+    """The claim boundary of the rate rung and the soak."""
+    out = []
+    if rates:
+        out.append("- Rate figures: each rate ran once (its requests at seeded Poisson arrivals), so they carry no "
+                   "noise estimate and make no claim; goodput counts the requests within every SLO bound.")
+    if (root / layout.SOAK_GATE).is_file():
+        out.append("- The soak gates errors, a server's death and memory growth over this soak's duration and rate "
+                   "only; latency drift is recorded, not gated; a url target's memory is unknown, not 0.")
     return out

@@ -11,7 +11,10 @@ sealed evidence directories, with the regressions beyond the noise flagged as `e
   (workflow/plan/runs.py: `single-b8`, `single-graph-b8`, `hf-b1`, a distinct-prompts cell `single-distinct-b8`); a
   record without `kernels` is the torch path, one without a prompt contract same-prompt. As in workflow/archive/diff.py, two
   decode paths, or the two prompt contracts, at one backend and batch are two cells. A cell of the benchmark over
-  HTTP, `bench/http-<target>-c<C>.json`, is its own (`http-engine-c4`); its tok/s is its output tok/s.
+  HTTP, `bench/http-<target>-c<C>.json`, is its own (`http-engine-c4`); its tok/s is its output tok/s. A cell of
+  the rate rung, `bench/http-<target>-r<R>.json` (`http-engine-r2`), is a series too: its TPOT p50, output tok/s or
+  (`--metric goodput`, rate cells only) goodput, with no band and never a claim (a rate runs once: no noise
+  estimate; diff.rate_claim).
 - The band: for TPOT p50, the min and max of the cell's per-repeat TPOT p50s (`stats.repeat_tpot_p50`, the
   spread the noise rule reads); for tok/s, the min and max of the per-repeat decode tok/s, recomputed from the
   cell's raw `repeats` by `benchstats.tok_s`, as the cell's own. A cell
@@ -45,18 +48,21 @@ from evident.workflow.bench import benchstats
 from evident.workflow.core.evidence import commit_history, write_text
 from evident.workflow.core.gates import GATES
 from evident.workflow.core.terminal import pct, split_table, table, wrap
-from evident.workflow.plan.runs import is_http, label_key
+from evident.workflow.plan.runs import is_http, is_rate, label_key
 
-TPOT, TOK_S = "tpot_p50_ms", "tok_s"
-METRICS = {TPOT: "steady TPOT p50 (ms)", TOK_S: "decode throughput (tokens/s)"}
+TPOT, TOK_S, GOODPUT = "tpot_p50_ms", "tok_s", "goodput"
+METRICS = {TPOT: "steady TPOT p50 (ms)", TOK_S: "decode throughput (tokens/s)",
+           GOODPUT: "goodput (good requests/s, rate cells under an SLO)"}
 BANDS = {TPOT: "min-max of the cell's per-repeat TPOT p50s",
-         TOK_S: "min-max of the cell's per-repeat decode tok/s"}
+         TOK_S: "min-max of the cell's per-repeat decode tok/s",
+         GOODPUT: "none (a rate cell is one run)"}
+WHAT = {TPOT: "steady TPOT p50", TOK_S: "decode tok/s", GOODPUT: "goodput"}
 OUT = "_trends"
 """Under the archive root: `evidence/_trends/<campaign>.{png,csv}` (`_` starts no campaign name)."""
 ERROR = 2
 
 COLUMNS = ["campaign", "order", "evidence", "commit", "created_utc", "cell", "backend", "kernels", "prompts", "batch",
-           "target", "concurrency",
+           "target", "concurrency", "rate",
            "metric", "value", "band_lo", "band_hi", "spread", "noisy", "probe_ms", "baseline", "tpot_p50_change_pct",
            "tok_s_change_pct", "probe_ratio", "claim", "regression", "reason"] + [f"gate_{g.name}" for g in GATES]
 REGRESSION = "slower"
@@ -110,6 +116,8 @@ def _values(cell: dict, metric: str) -> tuple[float | None, float | None, float 
         value = diff.number((stats.get("tpot") or {}).get("p50") if isinstance(stats.get("tpot"), dict) else None)
         band = stats.get("repeat_tpot_p50")
         band = [diff.number(v) for v in band] if isinstance(band, list) else []
+    elif metric == GOODPUT:
+        value, band = diff.number(stats.get("goodput")), []
     else:
         value = diff.tok_s(cell)
         try:
@@ -166,7 +174,8 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
     for order, (ev, found) in enumerate(zip(entries, per_dir), start=1):
         base = {"campaign": ev.campaign, "order": order, "evidence": ev.id, "commit": ev.commit,
                 "created_utc": ev.created, **{f"gate_{g.name}": ev.gates.get(g.name, "") for g in GATES}}
-        names = sorted((c for c in found if not cells or c in cells), key=label_key)
+        names = sorted((c for c in found if (not cells or c in cells) and (metric != GOODPUT or has_goodput(found[c]))),
+                       key=label_key)
         if not names:
             rows.append({**base, "metric": metric, "regression": False})
         for name in names:
@@ -177,7 +186,8 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
             if len(files) > 1:
                 claim = diff.no_claim(f"{len(files)} files for this cell ({', '.join(f for f, _ in files)})")
             elif value is None:
-                claim = diff.no_claim(f"malformed cell: no {metric}")
+                done = (cell.get("stats") or {}).get("completed") if is_rate(cell) else None
+                claim = diff.no_claim(f"no {metric}: " + ("no request completed" if done == 0 else "malformed cell"))
             else:
                 claim = _claim(cell, last[1] if last else None)
                 against = last[0] if last else ""
@@ -196,6 +206,12 @@ def history(entries: list[archive.Evidence], metric: str = TPOT, cells: list[str
     frame = pd.DataFrame(rows, columns=COLUMNS).astype({"regression": bool})
     frame.attrs["ordered_by"] = ordered_by
     return frame
+
+
+def has_goodput(files: list[tuple[str, dict]]) -> bool:
+    """Whether a cell's files are a rate cell's with a goodput (an SLO was given): the cells `--metric goodput` shows."""
+    return any(is_rate(c) and isinstance(c.get("stats"), dict) and c["stats"].get("goodput") is not None
+               for _, c in files)
 
 
 def regressions(frame) -> list[dict]:
@@ -230,7 +246,7 @@ def mark(row: dict) -> str:
         return "▼"
     if unsteady(row):
         return "~"
-    if claim and "within noise" not in reason:
+    if claim and "within noise" not in reason and diff.ONE_RUN not in reason:
         return "≠"  # not comparable: contract, versions or model differ, or a malformed cell
     return ""
 
@@ -238,7 +254,8 @@ def mark(row: dict) -> str:
 LEGEND = ("▲ slower beyond the noise (a regression), ▼ faster beyond the noise, ~ noise: a noisy cell, or the machine "
           "differed between the runs (its probe; no claim), "
           "≠ not comparable (contract, versions or model differ), — no cell; each against the previous directory "
-          "with the cell on a like machine (by its probe; else the nearest), by the rule of evident diff")
+          "with the cell on a like machine (by its probe; else the nearest), by the rule of evident diff; a rate cell "
+          "(-r<R>, R requests a second) runs once: no band, never a claim")
 
 
 def write(frame, out: str | Path, name: str, title: str) -> tuple[Path, Path]:
@@ -250,7 +267,7 @@ def write(frame, out: str | Path, name: str, title: str) -> tuple[Path, Path]:
 
 
 def title(campaign: str, n: int, metric: str = TPOT, ordered_by: str = "created") -> str:
-    what = "steady TPOT p50" if metric == TPOT else "decode tok/s"
+    what = WHAT[metric]
     return (f"{campaign}: {what} per bench cell over {n} sealed director{'y' if n == 1 else 'ies'}, "
             f"{ORDERS[ordered_by]}\n"
             f"band: {BANDS[metric].replace('min-max', 'min–max')}\n"
@@ -262,7 +279,7 @@ def title(campaign: str, n: int, metric: str = TPOT, ordered_by: str = "created"
 def value_text(v, metric: str = TPOT) -> str:
     """A cell's value as the terminal and the trends page show it."""
     v = diff.number(v)
-    return "—" if v is None else (f"{v:.3f}" if metric == TPOT else f"{v:.1f}")
+    return "—" if v is None else (f"{v:.3f}" if metric == TPOT else f"{v:.2f}" if metric == GOODPUT else f"{v:.1f}")
 
 
 def report(frame, metric: str = TPOT) -> str:
@@ -322,7 +339,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--cell", action="append", metavar="CELL",
                    help="only this cell, as evidence names it: <run name>-b<B>, e.g. single-graph-b8 (repeatable)")
     p.add_argument("--metric", choices=list(METRICS), default=TPOT, help="what is drawn and printed (default: "
-                   f"{TPOT}); the regression flag is always on TPOT p50")
+                   f"{TPOT}; {GOODPUT}: the rate cells under an SLO only); the regression flag is always on TPOT p50")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help=f"where <campaign>.png and .csv go (default: <root>/{OUT}/; another metric or --cell adds "
                    "to the name: <campaign>-tok_s-single-b8.png)")

@@ -78,8 +78,9 @@ def trends_page(camp: str, frame) -> str:
         f"{trend.ORDERS[frame.attrs.get('ordered_by', 'created')]}. Each line is a bench "
         f"cell's steady TPOT p50; its band is the min–max of the cell's per-repeat TPOT p50s (the spread the noise "
         f"rule reads). A cell is flagged when it is slower than the previous directory with the same cell beyond "
-        f"the noise, by the rule of <code>evident diff</code>. <code>evident trend --campaign {esc(camp)}</code> "
-        f"prints the same.</p>",
+        f"the noise, by the rule of <code>evident diff</code>. A cell of the rate rung (named <code>-r&lt;R&gt;</code>"
+        f", R requests a second) runs once a directory: no band and never a claim. <code>evident trend --campaign "
+        f"{esc(camp)}</code> prints the same.</p>",
     ]
     if n < 2:
         body.append("<p>Only one sealed directory: nothing to compare yet.</p>")

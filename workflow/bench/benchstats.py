@@ -18,9 +18,15 @@ repeat, C streamed requests sent at once, each as the client saw it,
     {"duration_ms": 60.2, "requests": [{"chunk_ms": [12.3, 16.1, ...], "output_tokens": 16}, ...]}
 
 `chunk_ms` the arrival of each server-sent event that carries a choice, in ms after the
-request was sent; `request_metrics` turns it into vLLM `bench serve`'s TTFT, ITL, TPOT and
+request was sent (and `chunk_tokens`, the tokens each event carried, where the server says so on
+every event); `request_metrics` turns it into vLLM `bench serve`'s TTFT, ITL, TPOT and
 end-to-end latency, and `summarize_http` into the cell's percentiles, output tok/s and the same
 noise rule (on each repeat's median TPOT).
+
+A cell of the rate rung (`target`, `rate`) records N requests sent at Poisson arrivals whatever
+the server answers (workflow/bench/load.py `sweep`), each as above or with the `error` that
+ended it; `summarize_rate` gives vLLM's figures for one --request-rate: the percentiles over the
+completed requests, request and output throughput, and goodput under an SLO.
 
 Everything here fails closed: a sample that cannot be a real measurement (zero, negative,
 NaN, inf, a missing or extra interval) raises BenchError instead of being averaged in, and two
@@ -88,7 +94,8 @@ HTTP_COLUMNS = [
     "transport", "target", "prompts", "concurrency",
     *(f"{m}_{q}_ms" for m in HTTP_METRICS for q in ("p50", "p95", "p99")),
     "output_tok_s", "spread", "noisy", "refused", "inprocess_cell", "http_over_inprocess_tpot_p50",
-    "http_over_inprocess_ttft_p50", "http_itl_p50_over_inprocess_tpot_p50", "side_by_side_claim", "side_by_side_reason",
+    "http_over_inprocess_ttft_p50", "http_itl_p50_over_inprocess_tpot_p50", "http_tpot_p99_over_inprocess_tpot_p50",
+    "side_by_side_claim", "side_by_side_reason",
 ]
 """summary.csv's rows of the HTTP cells (`transport` http), after the in-process rows (`transport` in-process)."""
 IN_PROCESS, OVER_HTTP = "in-process", "http"
@@ -252,7 +259,7 @@ def noise(per_repeat: list[float]) -> dict:
 
 # --- a cell of the benchmark over HTTP ------------------------------------------------------
 
-def request_metrics(chunk_ms, output_tokens: int) -> dict:
+def request_metrics(chunk_ms, output_tokens: int, chunk_tokens=None) -> dict:
     """One streamed request as vLLM's `bench serve` measures it on the client (all in ms):
 
     - TTFT: request sent -> the first event carrying a choice (`chunk_ms[0]`);
@@ -261,8 +268,13 @@ def request_metrics(chunk_ms, output_tokens: int) -> dict:
     - E2E: request sent -> the last such event;
     - TPOT: (E2E - TTFT) / (output tokens - 1), the mean time per output token after the first.
 
-    Fails closed: no event, events out of order, one event for several tokens (not streamed: no TPOT), or fewer
-    than two output tokens.
+    Where the stream says how many tokens each event carried (`chunk_tokens`: usage.completion_tokens on every
+    event, vLLM's continuous_usage_stats), TPOT divides by the tokens after the first event instead: the tokens
+    the first event carried were decoded before TTFT, and spreading the time after it over them reads faster than
+    any decode step. An event a token gives vLLM's figure.
+
+    Fails closed: no event, events out of order, one event for several tokens (not streamed: no TPOT), fewer
+    than two output tokens, or counts an event that do not add up to the output tokens.
     """
     t = _samples(chunk_ms, "chunk_ms")
     if np.any(np.diff(t) < 0):
@@ -270,10 +282,17 @@ def request_metrics(chunk_ms, output_tokens: int) -> dict:
     n = _positive_int(output_tokens, "output_tokens")
     if n < 2:
         raise BenchError(f"{n} output token: TPOT needs at least 2")
-    if t.size < 2:
+    first = 1
+    if chunk_tokens is not None:
+        k = np.asarray(chunk_tokens, dtype=int)
+        if k.shape != t.shape or np.any(k < 0) or int(k.sum()) != n:
+            raise BenchError(f"chunk_tokens {list(chunk_tokens)[:8]}: not a count for each of {t.size} events adding "
+                             f"up to {n} output tokens")
+        first = max(1, int(k[0]))
+    if t.size < 2 or first >= n:
         raise BenchError(f"{n} output tokens arrived in one event: the server did not stream them (no TPOT, no ITL)")
     return {"ttft_ms": float(t[0]), "itl_ms": np.diff(t).tolist(), "e2e_ms": float(t[-1]),
-            "tpot_ms": float((t[-1] - t[0]) / (n - 1)), "output_tokens": n}
+            "tpot_ms": float((t[-1] - t[0]) / (n - first)), "output_tokens": n}
 
 
 def round_tok_s(rep: dict) -> float:
@@ -304,7 +323,7 @@ def summarize_http(repeats: list[dict], concurrency: int, new_tokens: int) -> di
                 raise BenchError(f"repeat {i} request {j}: {req.get('output_tokens')} output tokens where the contract "
                                  f"asks {new_tokens} (the server stopped early or ran on): no figure is claimed")
             try:
-                m = request_metrics(req.get("chunk_ms"), req["output_tokens"])
+                m = request_metrics(req.get("chunk_ms"), req["output_tokens"], req.get("chunk_tokens"))
             except BenchError as e:
                 raise BenchError(f"repeat {i} request {j}: {e}") from None
             per["ttft"].append(m["ttft_ms"])
@@ -320,6 +339,80 @@ def summarize_http(repeats: list[dict], concurrency: int, new_tokens: int) -> di
         seconds += duration / 1000.0
     out = {m: stats(v) for m, v in per.items()}
     return {**out, "output_tok_s": tokens / seconds, **noise(per_repeat), **probe(repeats)}
+
+
+# --- a cell of the rate rung ----------------------------------------------------------------
+
+def good(metrics: dict, slo: dict) -> bool:
+    """A completed request meets the SLO: its TTFT and its TPOT each at most the limit (vLLM's --goodput)."""
+    return metrics["ttft_ms"] <= slo["ttft_ms"] and metrics["tpot_ms"] <= slo["tpot_ms"]
+
+
+def summarize_rate(requests: list[dict], duration_ms: float, new_tokens: int, slo: dict | None) -> dict:
+    """One rate of the rate rung as vLLM's `bench serve` reports a --request-rate run: TTFT, TPOT, E2E and ITL
+    (avg/p50/p95/p99) over the completed requests, `request_throughput` (completed a second), `output_tok_s` and,
+    under an SLO, `goodput` (good requests a second: vLLM's request_goodput), each over the cell's duration (the
+    first request sent to the last answer's end). A request that failed (`error`: an error status, a reset or
+    refused connection, a broken stream) or that cannot be measured (not streamed, another number of tokens than
+    the contract's) is counted in `failed` with why (`failures`): it completed nothing and misses the SLO. A cell of
+    no completed request has no percentiles (None)."""
+    new_tokens = _positive_int(new_tokens, "new_tokens")
+    if not isinstance(requests, list) or not requests:
+        raise BenchError("no requests to summarize")
+    seconds = float(_samples([duration_ms], "duration_ms")[0]) / 1000.0
+    per: dict[str, list] = {m: [] for m in HTTP_METRICS}
+    failures, tokens, good_ = [], 0, 0
+    for i, req in enumerate(requests):
+        why = req.get("error")
+        if why is None:
+            try:
+                if req.get("output_tokens") != new_tokens:
+                    raise BenchError(f"{req.get('output_tokens')} output tokens where the contract asks {new_tokens}")
+                m = request_metrics(req.get("chunk_ms"), req["output_tokens"], req.get("chunk_tokens"))
+            except BenchError as e:
+                why = str(e)
+        if why is not None:
+            failures.append({"request": i, "error": why})
+            continue
+        for k in ("ttft", "tpot", "e2e"):
+            per[k].append(m[f"{k}_ms"])
+        per["itl"] += m["itl_ms"]
+        tokens += m["output_tokens"]
+        good_ += bool(slo) and good(m, slo)
+    completed = len(requests) - len(failures)
+    return {**{m: stats(v) if v else None for m, v in per.items()},
+            "requests": len(requests), "completed": completed, "failed": len(failures), "failures": failures,
+            "duration_s": seconds, "request_throughput": completed / seconds, "output_tok_s": tokens / seconds,
+            "slo": slo, "good": good_ if slo else None, "goodput": good_ / seconds if slo else None}
+
+
+def rate_plot(cells: list[dict], path: str | Path) -> Path:
+    """A target's rate rung, a point a rate (labelled with it), in rate order: output tok/s against TPOT p50 and,
+    where the cells have an SLO, goodput against TPOT p50 (else request throughput): the Pareto frontier of
+    throughput against latency. A rate whose requests all failed has no TPOT and no point."""
+    from evident.workflow.core.plots import figure, save_png
+
+    points = sorted((c for c in cells if (c.get("stats") or {}).get("tpot")), key=lambda c: float(c["rate"]))
+    if not points:
+        raise BenchError("nothing to plot: no rate completed a request")
+    slo = points[0]["stats"]["slo"]
+    fig = figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
+    x = [c["stats"]["tpot"]["p50"] for c in points]
+    second = ("goodput", "goodput (good requests/s)") if slo else ("request_throughput", "request throughput (/s)")
+    for ax, (key, ylabel) in zip(axes, (("output_tok_s", "output throughput (tokens/s)"), second)):
+        y = [c["stats"][key] for c in points]
+        ax.plot(x, y, "-o")
+        for c, xi, yi in zip(points, x, y):
+            ax.annotate(f"{float(c['rate']):g}/s", (xi, yi), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.set_xlabel("TPOT p50 (ms)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_title(f"{points[0]['target']}: throughput vs TPOT, a point a rate")
+    axes[1].set_title(f"goodput under TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms" if slo
+                      else "request throughput (no SLO: no goodput)")
+    fig.tight_layout()
+    return save_png(fig, path, dpi=120)
 
 
 # --- comparing two cells ---------------------------------------------------------------------
@@ -502,11 +595,12 @@ def side_by_side(http: dict, inproc: dict) -> dict:
     """The builtin engine over HTTP beside the same engine in process (the in-process cell of batch = the
     concurrency, the same prompt contract): the ratios HTTP / in-process of TPOT p50 (vLLM's per-request TPOT over
     the steady decode step) and TTFT p50, and the HTTP ITL p50 over the in-process steady TPOT p50 (interval for
-    interval); `slower`/`faster` (over HTTP) on the TPOT ratio only where the cells share SIDE_BY_SIDE_KEYS, the
-    model and the versions, neither is noisy, the streams sent an event a token and the difference exceeds the larger
-    spread. Ratios are given
+    interval), and the HTTP TPOT p99 over the in-process TPOT p50 (the slowest requests against the step);
+    `slower`/`faster` (over HTTP) on the TPOT ratio only where the cells share SIDE_BY_SIDE_KEYS, the model and the
+    versions, neither is noisy, the streams sent an event a token (or said how many tokens each carried) and the
+    difference exceeds the larger spread. Ratios are given
     whenever the cells measured the same prompts and tokens, noisy or not, None otherwise."""
-    out = {"tpot_p50_ratio": None, "ttft_p50_ratio": None, "itl_p50_over_tpot_p50": None}
+    out = {"tpot_p50_ratio": None, "ttft_p50_ratio": None, "itl_p50_over_tpot_p50": None, "tpot_p99_over_p50": None}
     if refused := _refusals(http, inproc, ("HTTP", "in-process")):
         return {**out, "claim": "no directional claim", "reason": "; ".join(refused)}
     a, b = contract_of(http), contract_of(inproc)
@@ -519,7 +613,8 @@ def side_by_side(http: dict, inproc: dict) -> dict:
     comparable = not reasons
     hs, ps = http["stats"], inproc["stats"]
     reasons += _noisy(hs, ps, ("HTTP", "in-process"))
-    if (per_event := tokens_per_event(http)) > 1:
+    counted = all(q.get("chunk_tokens") for r in http["repeats"] for q in r["requests"])
+    if (per_event := tokens_per_event(http)) > 1 and not counted:  # counted: TPOT leaves the first event's tokens out
         # vLLM's TPOT counts from the first event: where that event carries k tokens, the k - 1 decode steps before
         # it fall in TTFT yet the rest is still divided by tokens - 1 (H200: 2.125 ms over HTTP "faster" than the
         # 2.193 ms step in process, with 1.8 tokens an event and an ITL p50 of 2.55 ms)
@@ -529,7 +624,9 @@ def side_by_side(http: dict, inproc: dict) -> dict:
         tpot = float(ps["tpot"]["p50"])
         out = {"tpot_p50_ratio": float(hs["tpot"]["p50"]) / tpot,
                "ttft_p50_ratio": float(hs["ttft"]["p50"]) / float(ps["ttft"]["p50"]),
-               "itl_p50_over_tpot_p50": float(hs["itl"]["p50"]) / tpot}
+               "itl_p50_over_tpot_p50": float(hs["itl"]["p50"]) / tpot,
+               # the slowest requests' time per token against the engine's step: steady under load (issue 66)
+               "tpot_p99_over_p50": float(hs["tpot"]["p99"]) / tpot}
         if not reasons and (within := _within_noise((out["tpot_p50_ratio"] - 1) * 100, hs, ps)):
             reasons.append(within)
     if reasons:
@@ -556,6 +653,7 @@ def http_frame(http_cells: list[dict], pairs: dict[str, tuple[str, dict]]):
             "http_over_inprocess_tpot_p50": side.get("tpot_p50_ratio"),
             "http_over_inprocess_ttft_p50": side.get("ttft_p50_ratio"),
             "http_itl_p50_over_inprocess_tpot_p50": side.get("itl_p50_over_tpot_p50"),
+            "http_tpot_p99_over_inprocess_tpot_p50": side.get("tpot_p99_over_p50"),
             "side_by_side_claim": side.get("claim"), "side_by_side_reason": side.get("reason"),
         })
     return pd.DataFrame(rows, columns=HTTP_COLUMNS)

@@ -7,6 +7,10 @@ layer: the profile stage sets that floor (`floor`) against the captured steps' k
 prompts choose more: the bench stage counts the experts actually chosen at each decode step (workflow/bench/replay.py)
 and sets that floor against the cell's steady TPOT (`bench_floor`).
 
+A prefill (`prefill_floor`) reads every weight once, the experts its prompts' tokens chose (their union a MoE layer),
+their embedding rows, and writes their cache; it also does 2 FLOPs a parameter a token, and attention's: its floor is
+the larger of the bytes over the read bandwidth and the FLOPs over a matrix product's measured rate, against TTFT.
+
 The cache a step reads, per row, at P positions, and what else a row reads beside its embedding row (`per_row`), are
 the model family's to say (its `layout`, workflow/models/families/: the cache of each kind of layer, a hash-routed
 layer's table row).
@@ -26,6 +30,7 @@ if TYPE_CHECKING:  # torch only names the dtype here: the floor loads without it
     import torch
 
 BANDWIDTH_KEY = "read_bandwidth_GBps"  # the bandwidth a floor was set at, in a floor's record
+FLOP_RATE_KEY = "matmul_TFLOPs"  # the FLOP rate a prefill's floor was set at (kernels.hbm.matmul_rate)
 SCREEN_READ = "the vocabulary projection read through its int8 screen"  # a floor that counts the screen says so
 BANDWIDTH_MIB, CPU_BANDWIDTH_MIB = 1024, 64  # the buffer read_bandwidth reads: a CPU's floor shows the machinery only
 
@@ -48,6 +53,8 @@ class Layout:
     cache_row: Callable[[int], int]  # the cache one row reads at P positions
     head: int = 0  # the vocabulary projection's weight, within `weights`
     screen: int = 0  # its int8 screen's bytes (kernels/head.py: a byte an element, a scale and a bound a row)
+    itemsize: int = 2  # bytes a weight in the model's dtype: the FLOPs of a prefill count parameters
+    attention: int = 0  # FLOPs of one causal (query, key) pair over every layer (q.k and p.v); 0: not counted
 
     def step(self, positions: list[int], experts: list[Collection[int]] | None = None, ranks: int = 1,
              screened: bool = False) -> dict:
@@ -73,8 +80,17 @@ class Layout:
 
 def layout(ckpt: Path, dtype: torch.dtype) -> Layout:
     """The Layout of the checkpoint's model in `dtype`, as its family lays it out (families.Family.layout)."""
-    family, args = families.load(ckpt)
-    return Layout(**family.layout(args, dtype))
+    return layout_of(*families.load(ckpt), dtype)
+
+
+def layout_of(family, args, dtype: torch.dtype) -> Layout:
+    """The Layout of a family's model of `args` in `dtype` (`layout`, without a checkpoint: tools/device_prefill.py)."""
+    # MLA, unabsorbed (the fewest FLOPs): q.k over qk_head_dim and p.v over v_head_dim, every head and layer.
+    # DeepSeek-V4's windows and compressed entries bound its pairs otherwise: not counted, so the floor stays below.
+    mla = all(hasattr(args, k) for k in ("qk_head_dim", "v_head_dim", "num_attention_heads"))
+    attention = (2 * args.num_attention_heads * (args.qk_head_dim + args.v_head_dim) * args.num_hidden_layers
+                 if mla else 0)
+    return Layout(**family.layout(args, dtype), itemsize=dtype.itemsize, attention=attention)
 
 
 def step_bytes(ckpt: Path, dtype: torch.dtype, batch: int, positions: int, screened: bool = False) -> dict:
@@ -87,6 +103,14 @@ def bandwidth(device: str) -> float:
     from evident.kernels.hbm import read_bandwidth
 
     return read_bandwidth(device, BANDWIDTH_MIB if device.startswith("cuda") else CPU_BANDWIDTH_MIB)
+
+
+def matmul_rate(device: str, dtype: torch.dtype) -> float:
+    """The FLOP rate a prefill's floor on `device` is set at, FLOP/s (kernels.hbm.matmul_rate: a matrix product of
+    the model's dtype)."""
+    from evident.kernels.hbm import matmul_rate as rate
+
+    return rate(device, dtype)
 
 
 def floor(ckpt: Path, dtype: str, batch: int, steps: int, prompt_tokens: int, device: str,
@@ -136,4 +160,45 @@ def bench_floor(lay: Layout, steps: list[tuple[list[int], list[Collection[int]]]
         "step_bytes": [b["total"] for b in per_step],
         "floor_ms": floor_ms, "floor_ms_min": min(ms), "floor_ms_max": max(ms),
         "tpot_p50_ms": tpot_p50_ms, "floor_fraction": floor_ms / tpot_p50_ms,
+    }
+
+
+def prefill_floor(lay: Layout, prompts: list[list[int]], experts: list[Collection[int]], bandwidth: float,
+                  flop_rate: float, ttft_p50_ms: float, ranks: int = 1) -> dict:
+    """The floor of a cell's prefill (its TTFT: every row's prompt to its first token): the larger of its bytes over
+    `bandwidth` and its FLOPs over `flop_rate`, against the TTFT p50. Bytes: every weight once, the routed experts
+    the prompts' tokens chose (`experts`: their union a MoE layer, each read once), the prompts' distinct tokens'
+    embedding rows and the cache each row writes (Layout.step at its prompt's length). FLOPs: 2 a parameter a token
+    (the routed experts' top_k a MoE layer; the vocabulary projection only at each row's last position, the one its
+    first token is picked from) and attention's causal pairs (Layout.attention). Over `ranks` expert-parallel ranks:
+    the busiest rank's bytes, the routed FLOPs spread evenly."""
+    parts = lay.step([len(p) for p in prompts], experts, ranks)
+    parts["embedding_rows"] = len({t for p in prompts for t in p}) * lay.row
+    parts["total"] = sum(v for k, v in parts.items() if k != "total")
+    tokens = sum(map(len, prompts))
+    dense = (lay.weights - lay.head) / lay.itemsize
+    routed = lay.top_k * sum(lay.expert) / lay.itemsize / ranks
+    flops = (2 * tokens * (dense + routed) + 2 * len(prompts) * lay.head / lay.itemsize
+             + lay.attention * sum(len(p) * (len(p) + 1) // 2 for p in prompts))
+    bytes_ms, flops_ms = parts["total"] / bandwidth * 1e3, flops / flop_rate * 1e3
+    unique = [len(ids) for ids in experts]
+    floor_ms = max(bytes_ms, flops_ms)
+    return {
+        "basis": "the prefill of the cell's rows to their first token: the larger of (every weight read once, the "
+                 "routed experts the prompts' tokens chose a MoE layer, each once (their union, from a teacher-forced "
+                 "replay of each row: workflow/bench/replay.py), the distinct prompt tokens' embedding rows and the "
+                 "cache written) over the measured read bandwidth (kernels/hbm.py read_bandwidth) and (2 FLOPs a "
+                 "parameter a prompt token, top_k routed experts a MoE layer, the vocabulary projection at each "
+                 "row's last position only, and attention's causal (query, key) pairs"
+                 + ("" if lay.attention else ": not counted for this family") + ") over a measured matrix "
+                 "product's rate (kernels/hbm.py matmul_rate, an n x n product in the model's dtype)"
+                 + (f"; the busiest of {ranks} expert-parallel ranks" if ranks > 1 else ""),
+        "rows": len(prompts), "prompt_tokens": tokens, "ranks": ranks,
+        "unique_experts": {"mean": statistics.fmean(unique), "min": min(unique), "max": max(unique),
+                           "top_k": lay.top_k, "experts": lay.n_experts, "moe_layers": len(lay.expert)}
+        if unique else None,
+        "bytes": parts, "flops": flops,
+        BANDWIDTH_KEY: bandwidth / 1e9, FLOP_RATE_KEY: flop_rate / 1e12,
+        "bytes_ms": bytes_ms, "flops_ms": flops_ms, "bound": "bytes" if bytes_ms >= flops_ms else "flops",
+        "floor_ms": floor_ms, "ttft_p50_ms": ttft_p50_ms, "ttft_over_floor": ttft_p50_ms / floor_ms,
     }

@@ -3,8 +3,8 @@ the timed run generated for it, so that nothing is read back inside a timed run 
 graph).
 
 From it, what the timed run does not say:
-- the routed experts each MoE layer chose for the row at every decode step, for the floor of the experts actually
-  chosen (workflow/bench/floor.py). The engine's MoE layers (DeepSeek-V2/V3, and DeepSeek-V4's hash and top-k layers)
+- the routed experts each MoE layer chose for the row at every decode step, and over its prompt's positions (the
+  prefill's), for the floors of the experts actually chosen (workflow/bench/floor.py). The engine's MoE layers (DeepSeek-V2/V3, and DeepSeek-V4's hash and top-k layers)
   re-run their own router on the layer's input in a hook; transformers' routers return their choice, which a hook
   keeps. The replay is the eager forward: in a low dtype a router score within rounding of the k-th may choose
   otherwise than the timed step's kernels did, which moves the floor by an expert's bytes at most;
@@ -28,6 +28,7 @@ AS_ALONE, NEAR_TIES, MISMATCH = "rows_as_alone", "near_tie_differences", "row_mi
 @dataclass
 class Row:
     experts: list[list[list[int]]]  # per decode step (2..N), per MoE layer: the k experts the row chose
+    prefill: list[set[int]]  # per MoE layer: the experts its prompt's positions chose, their union
     alone: list[int]  # per generated token: the row alone's greedy pick at its position
     gaps: list[float]  # per generated token: the row alone's logit of its pick minus that of the batch's token
 
@@ -89,10 +90,11 @@ def replay(model, prompts: list[list[int]], tokens: list[list[int]], hf: bool = 
             ids = [layer.pop().tolist() for layer in chosen]
             # decode step s (2..N) feeds gen[s-2], at position len(prompt) + s - 2
             experts = [[layer[len(prompt) + i] for layer in ids] for i in range(len(gen) - 1)]
+            prefill = [set().union(*layer[:len(prompt)]) for layer in ids]
             alone = logits.argmax(dim=-1)
             picked = torch.tensor(gen, device=logits.device)
             gaps = (logits.gather(1, alone[:, None]) - logits.gather(1, picked[:, None]))[:, 0]
-            rows.append(Row(experts, alone.tolist(), gaps.tolist()))
+            rows.append(Row(experts, prefill, alone.tolist(), gaps.tolist()))
     return rows
 
 

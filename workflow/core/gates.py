@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evident.workflow.core import layout
-from evident.workflow.core.verdicts import DEFECTS, QUALITY, SEVERITY
+from evident.workflow.core.verdicts import DEFECTS, QUALITY, SEVERITY, SOAK
 
 NOT_MEASURED = "not_measured"  # the overlap screens' verdict where nothing was timed
 NOT_COMPILED = "not_compiled"  # the kernel audit's where no kernel was compiled (no GPU)
@@ -58,6 +58,8 @@ GATES = (
          "the kernel resource audit (register spills)", idle=frozenset({NOT_COMPILED})),
     # no_claim fails too: nothing comparable happened, so nothing passed
     Gate("quality", "quality", layout.QUALITY_GATE, frozenset(QUALITY) - {"pass"}, "the GSM8K quality gate"),
+    Gate("soak", "soak", layout.SOAK_GATE, frozenset(SOAK) - {"pass"},
+         "the soak (errors, a server that died, memory growth)"),
 )
 BY_NAME = {g.name: g for g in GATES}
 

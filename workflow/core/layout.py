@@ -38,6 +38,8 @@ CAPTURE = f"{PROFILE}/capture.json"
 KERNEL_TABLE = f"{PROFILE}/kernels.csv"
 TRACE = f"{PROFILE}/trace.json.gz"
 PROFILE_PLOT = f"{PLOTS}/profile.png"
+SOAK = "soak"
+SOAK_GATE = f"{SOAK}/gate.json"  # the soak gate's verdict over its targets (target names may not be `gate`)
 STAGES = "stages"
 LOGS = "logs"
 MANIFEST = "MANIFEST.json"
@@ -61,6 +63,16 @@ def parity_run(label: str) -> str:
 def bench_cell(label: str) -> str:
     """A bench cell: `label` is runs.bench_cell's or runs.http_cell's."""
     return f"{BENCH}/{label}.json"
+
+
+def rate_plot(target: str) -> str:
+    """A target's rate rung: output tok/s and goodput against TPOT p50, a point a rate."""
+    return f"{PLOTS}/rates-{target}.png"
+
+
+def soak_record(target: str) -> str:
+    """One target's soak: requests, errors, memory over time, latency drift, the server's death."""
+    return f"{SOAK}/{target}.json"
 
 
 BENCH_CELLS = f"{BENCH}/*-[bc]*.json"  # every cell's file, as a glob (summary.csv and baseline.json are not cells)
@@ -109,9 +121,13 @@ FILES = (
     (COMPARISON, "compare", "the parity verdict per cell and target, with each first divergence"),
     (bench_cell("<backend>[-distinct]-b<B>"), "bench", "one in-process cell: repeats, probes, stats, floor"),
     (bench_cell("http-<target>[-distinct]-c<C>"), "serve_bench", "one HTTP cell: per-request TTFT, ITL, TPOT, E2E"),
+    (bench_cell("http-<target>-r<R>"), "serve_bench", "one rate of the rate rung: Poisson arrivals, vLLM's metrics, goodput"),
+    (rate_plot("<target>"), "serve_bench", "a target's rates: output tok/s and goodput against TPOT p50"),
     (BENCH_TABLE, "bench_report", "one row per bench cell"),
     (BASELINE, "bench_report", "each cell against `bench.baseline`'s directory"),
     (BENCH_PLOT, "bench_report", "TPOT and throughput by batch size"),
+    (soak_record("<target>"), "soak", "a target's soak: errors, the server's memory over time, latency drift, its death"),
+    (SOAK_GATE, "soak", "the soak gate's verdict over the targets, with the reasons"),
     (_BUILTIN["screen"], "overlap", "the built-in screen: bitwise check and timings' verdict"),
     (_BUILTIN["timings"], "overlap", "the built-in screen's repeats"),
     (_BUILTIN["plot"], "overlap", "the built-in screen's plot"),

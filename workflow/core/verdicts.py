@@ -27,3 +27,8 @@ QUALITY = ("pass", "no_claim", "fail", "fail_flips", "refused")
 
 def worst(verdicts) -> str:
     return max(verdicts, key=SEVERITY.index)
+
+
+# The soak gate's verdicts (workflow/stages/soak.py): fail where a target's soak had an error, its server died or its
+# memory grew (each reason recorded).
+SOAK = ("pass", "fail")

@@ -313,6 +313,7 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
         out.append(("quality.targets", f"a target name appears twice: {names}"))
     out += targets.problems(config)
     out += targets.bench_problems(config)
+    out += load_problems(config)
     engines = targets.by_name(config)
     for i, t in enumerate(q["targets"]):
         if isinstance(t, str) and t not in ("hf", "engine") and engines.get(t, {}).get("kind") != "openai":
@@ -343,6 +344,48 @@ def check_inputs(config: dict, model: dict | None = None) -> list[tuple[str, str
 
         if not torch.cuda.is_available():
             out.append(("device", "cuda was requested but no CUDA GPU is visible here; use device: cpu or auto"))
+    return out
+
+
+MIN_SOAK_REQUESTS = 9  # expected over a soak: its two latency windows are a third of it each, three requests or more
+
+
+def load_problems(config: dict) -> list[tuple[str, str]]:
+    """The rate rung and the soak before any work: an SLO with no rate to apply it to, soak targets that take no HTTP
+    requests, a soak too short or too sparse to compare its windows, and sending that outlasts a job's wall time
+    (resources.runtime)."""
+    http, soak, out = config["bench"]["http"], config["soak"], []
+    stages, limit_s = set(config["stages"]), config["resources"]["runtime"] * 60
+    if http["slo"] is not None and not http["rates"]:
+        out.append(("bench.http.slo", "goodput is the rate rung's: give bench.http.rates (requests a second) too"))
+    labels = [runs.rate_cell("t", r) for r in http["rates"]]
+    if len(set(labels)) < len(labels):
+        out.append(("bench.http.rates", f"{http['rates']}: two rates write one cell (its name keeps 6 digits)"))
+    if "serve_bench" in stages and http["rates"]:
+        sending = sum(http["requests"] / r for r in http["rates"])  # the arrivals' expected span, a target
+        if sending > limit_s:
+            out.append(("bench.http.rates", f"{http['requests']} requests at each of {http['rates']} requests/s take "
+                                            f"about {sending:.0f} s to send, beyond a job's wall time "
+                                            f"(resources.runtime {config['resources']['runtime']} min): fewer "
+                                            "bench.http.requests or higher rates"))
+    if "soak" not in stages:
+        return out
+    engines = targets.by_name(config)
+    for i, t in enumerate(soak["targets"] or []):
+        if t != targets.ENGINE and engines.get(t, {}).get("kind") != "openai":
+            out.append((f"soak.targets.{i}", f"{t!r} is neither {targets.ENGINE} (the builtin engine's server) nor an "
+                                             "`engines:` entry of kind openai"
+                        + (" (a command target takes no HTTP requests)" if t in engines else
+                           did_you_mean(t, [targets.ENGINE, *engines]))))
+    if (expected := soak["rate"] * soak["duration_s"]) < MIN_SOAK_REQUESTS:
+        out.append(("soak", f"{soak['rate']:g} requests/s for {soak['duration_s']:g} s expect {expected:.1f} requests: "
+                            f"its latency windows need {MIN_SOAK_REQUESTS} at least; raise soak.rate or "
+                            "soak.duration_s"))
+    if (total := soak["duration_s"] * len(targets.soak_targets(config))) > limit_s:
+        out.append(("soak.duration_s", f"{len(targets.soak_targets(config))} target(s) soaked one after another for "
+                                       f"{soak['duration_s']:g} s each take {total:g} s, beyond a job's wall time "
+                                       f"(resources.runtime {config['resources']['runtime']} min): raise "
+                                       "resources.runtime or shorten the soak"))
     return out
 
 

@@ -11,7 +11,8 @@ A bench cell of the distinct-prompts contract (`bench.prompts`: a different prom
 before the batch (`bench/single-distinct-b8.json`, label `single-graph-distinct-b8`), so that it is never read as
 the same-prompt cell beside it. A cell of the benchmark over HTTP is named by its target and concurrency instead,
 `http-<target>-c<C>` (`bench/http-engine-c4.json`; the distinct-prompts contract `http-engine-distinct-c4`), so that
-no label of it is an in-process cell's.
+no label of it is an in-process cell's. A cell of its rate rung is named by its target and rate, `http-<target>-r<R>`
+(`bench/http-engine-r2.json`, `http-engine-r0.5`): requests a second, not in flight, so never read as a concurrency.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def cell_label(cell: dict, kernels: str = "torch") -> str:
     none."""
     if is_http(cell):
         return http_cell(str(cell["target"]), int(cell["concurrency"]), cell_prompts(cell))
+    if is_rate(cell):
+        return rate_cell(str(cell["target"]), float(cell["rate"]))
     return label(str(cell["backend"]), str(cell.get("kernels") or kernels), int(cell["batch"]), cell_prompts(cell))
 
 
@@ -123,16 +126,27 @@ def http_cell(target: str, concurrency: int, prompts: str = SAME) -> str:
     return f"{HTTP}-{target}{_CONTRACT_SUFFIX[prompts]}-c{concurrency}"
 
 
+def rate_cell(target: str, rate: float) -> str:
+    """A cell of the rate rung (`bench.http.rates`), as its file under bench/ is named and its label reads:
+    `http-<target>-r<R>`, R as written shortest (2, 0.5)."""
+    return f"{HTTP}-{target}-r{float(rate):g}"
+
+
+def is_rate(cell) -> bool:
+    """A cell record of the rate rung (a target and a rate, no concurrency)."""
+    return isinstance(cell, dict) and "rate" in cell and "target" in cell and "concurrency" not in cell
+
+
 def is_http(cell) -> bool:
     """A cell record of the benchmark over HTTP (it has a target and a concurrency, no backend and batch)."""
     return isinstance(cell, dict) and "concurrency" in cell and "target" in cell
 
 
 def label_key(name: str) -> tuple:
-    """Orders labels by run name, then by batch or concurrency as a number (`single-b8` before `single-b16`,
-    `http-engine-c4` before `http-engine-c16`)."""
-    m = re.fullmatch(r"(.*)-([bc])(\d+)", name)
-    return (m.group(1), int(m.group(3)), name) if m else (name, 0, name)
+    """Orders labels by run name, then by batch, concurrency or rate as a number (`single-b8` before `single-b16`,
+    `http-engine-c4` before `http-engine-c16`, `http-engine-r0.5` before `http-engine-r2`, every `c` before any `r`)."""
+    m = re.fullmatch(r"(.*)-([bcr])(\d+(?:\.\d+)?)", name)
+    return (m.group(1), m.group(2), float(m.group(3)), name) if m else (name, "", 0, name)  # concurrencies, then rates
 
 
 def wildcard_constraints(backends: tuple[str, ...]) -> dict[str, str]:

@@ -169,6 +169,11 @@ def bench_targets(config: dict) -> list[str]:
                                                               if e.get("kind") == "openai")]
 
 
+def soak_targets(config: dict) -> list[str]:
+    """The targets the soak stage runs: `soak.targets`, or by default the HTTP bench's (bench_targets)."""
+    return list(config["soak"]["targets"] or bench_targets(config))
+
+
 def bench_problems(config: dict) -> list[tuple[str, str]]:
     """`bench.http` before any work: each target `engine` or an `openai` entry of `engines:`, each named once, and
     a prompt for every request in flight where the distinct-prompts contract runs (`bench.prompts`)."""
@@ -202,6 +207,8 @@ def reach_problems(config: dict) -> list[tuple[str, str]]:
         used |= {t for t in config["quality"]["targets"] if isinstance(t, str)}
     if "serve_bench" in stages:
         used |= set(bench_targets(config))
+    if "soak" in stages:
+        used |= set(soak_targets(config))
     return [(f"engines.{i}.url", f"{e['name']}: GET <url>/models failed ({why}); start the server, or set "
                                  "EVIDENT_SKIP_ENDPOINT_CHECK=1 where only the jobs can reach it")
             for i, e in enumerate(config.get("engines", []))

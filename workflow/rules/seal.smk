@@ -8,6 +8,7 @@ STAGE_OUTPUTS = {
     "parity": rules.compare.output,
     "bench": rules.bench_report.output,
     "serve_bench": rules.bench_report.output,  # the HTTP cells are reported, and set beside the in-process ones, there
+    "soak": rules.soak.output.gate,
     "overlap": rules.overlap.output.screen,
     "kernel_audit": rules.kernel_audit.output,
     "quality": rules.quality.output.gate,

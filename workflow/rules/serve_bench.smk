@@ -1,6 +1,6 @@
 # The benchmark over HTTP, one job per target (`engine`, the builtin engine through its own server, and `openai`
-# entries of `engines:`): a cell per concurrency and prompt contract; bench_report.smk puts the builtin engine's beside
-# its in-process cells.
+# entries of `engines:`): a cell per concurrency and prompt contract, and a cell per rate of the rate rung with the
+# target's rate plot; bench_report.smk puts the builtin engine's concurrency cells beside its in-process cells.
 rule serve_bench:
     input:
         ckpt=CKPT,
@@ -9,6 +9,7 @@ rule serve_bench:
     output:
         [f"{E}/{layout.bench_cell(runs.http_cell('{target}', c, p))}" for p in runs.bench_contracts(config["bench"])
          for c in config["bench"]["http"]["concurrency"]],
+        [f"{E}/{layout.bench_cell(runs.rate_cell('{target}', r))}" for r in config["bench"]["http"]["rates"]],
     wildcard_constraints:
         target="|".join(map(re.escape, HTTP_TARGETS)) or "(?!)",
     # a timing run: no other job beside it (bench.smk says how); a server started here holds the GPU

@@ -16,7 +16,9 @@ time of each warm-up and measured run, so a compile (in the first warm-up) is re
 `first_warmup_over_repeat_s`.
 After the timing, untimed, each cell's rows are replayed (workflow/bench/replay.py) for the experts every steady decode
 step chose, and the cell records its floor (workflow.floor.bench_floor: the bytes each step must read, the unique
-experts a MoE layer, over the read bandwidth measured here once) against its steady TPOT p50.
+experts a MoE layer, over the read bandwidth measured here once) against its steady TPOT p50, and its prefill's floor
+(workflow.floor.prefill_floor: every weight and the experts the prompts' tokens chose read once, or the FLOPs over a
+matrix product's rate measured here once, whichever binds) against its TTFT p50 (`prefill_floor`).
 Before every measured run a machine probe (workflow/bench/machine.py: a fixed matmul and copy on the same device and threads) is timed
 and recorded with it (`probe_ms`), so that a claim between two directories can tell a change of the machine (load,
 clocks) from a change of the code (benchstats.directional_claim).
@@ -177,9 +179,12 @@ def rows_margin(evidence: Path, config: dict) -> tuple[float, dict | None]:
 
 
 def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts: str, lay: floor.Layout,
-                    bandwidth: float, tpot_p50_ms: float, near_tie: tuple[float, dict | None]) -> tuple[dict, dict]:
-    """Untimed, after the cell's timing: its rows check and its floor, from a replay of each row (only the first
-    of a same-prompt batch, whose rows were identical on every run) along what the last measured run generated."""
+                    rates: tuple[float, float], stats: dict, near_tie: tuple[float, dict | None]
+                    ) -> tuple[dict, dict, dict]:
+    """Untimed, after the cell's timing: its rows check, its decode floor and its prefill floor, from a replay of each
+    row (only the first of a same-prompt batch, whose rows were identical on every run) along what the last measured
+    run generated; `rates`: the read bandwidth (bytes/s) and the matrix product's rate (FLOP/s)."""
+    bandwidth, flop_rate = rates
     same, tokens = prompts == SAME, gen.tokens
     replayed = replay.replay(s.model, rows[:1] if same else rows, tokens[:1] if same else tokens,
                              hf=s.backend in HF_PATHS)
@@ -197,11 +202,14 @@ def check_and_floor(s: Session, rows: list[list[int]], gen: Generation, prompts:
     steps = [([len(p) + step - 1 for p in rows],
               [set().union(*(r.experts[step - 2][layer] for r in replayed)) for layer in range(len(lay.expert))])
              for step in range(3, len(tokens[0]) + 1)]
-    return check, floor.bench_floor(lay, steps, bandwidth, tpot_p50_ms, s.params.get("ep_size", 1),
-                                    screened=graph_decode.screened(s.model, len(rows)))
+    ranks = s.params.get("ep_size", 1)
+    prefill = [set().union(*(r.prefill[layer] for r in replayed)) for layer in range(len(lay.expert))]
+    return (check, floor.bench_floor(lay, steps, bandwidth, stats["tpot"]["p50"], ranks,
+                                     screened=graph_decode.screened(s.model, len(rows))),
+            floor.prefill_floor(lay, rows, prefill, bandwidth, flop_rate, stats["ttft"]["p50"], ranks))
 
 
-def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwidth: float,
+def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, rates: tuple[float, float],
                 near_tie: tuple[float, dict | None]) -> dict:
     b = s.config["bench"]
     texts, rows = prompt_rows(s, batch, prompts)
@@ -218,7 +226,7 @@ def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwid
             print(f"[bench {s.backend}-b{batch} {prompts}] repeat {r + 1}/{b['repeats']}: "
                   f"TPOT p50 {steady[len(steady) // 2]:.3f} ms, probe {probe:.3f} ms", flush=True)
     stats = summarize_cell(repeats, batch, b["new_tokens"])
-    check, fl = check_and_floor(s, rows, gen, prompts, lay, bandwidth, stats["tpot"]["p50"], near_tie)
+    check, fl, pf = check_and_floor(s, rows, gen, prompts, lay, rates, stats, near_tie)
     return {
         "contract": contract(s, texts, rows, prompts),
         "probe": machine.WORKLOAD,  # outside the contract: cells recorded before the probe still compare
@@ -226,6 +234,7 @@ def bench_batch(s: Session, batch: int, prompts: str, lay: floor.Layout, bandwid
         "stats": stats,
         "rows_check": check,
         "floor": fl,
+        "prefill_floor": pf,
         # a compile (transformers' static cache on a GPU, the engine's graph capture) lands in the first warm-up
         "warmup_wall_s": warmups,
         "first_warmup_over_repeat_s": (warmups[0] - statistics.median(r["wall_s"] for r in repeats)
@@ -238,12 +247,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with engine_stage("bench", args) as (st, s):
             versions, model = measured_with(args.evidence)
-            lay = floor.layout(args.checkpoint, DTYPES[s.config["dtype"]])
-            bandwidth = floor.bandwidth(s.device)
+            dtype = DTYPES[s.config["dtype"]]
+            lay = floor.layout(args.checkpoint, dtype)
+            rates = floor.bandwidth(s.device), floor.matmul_rate(s.device, dtype)
             near_tie = rows_margin(args.evidence, s.config)
             for prompts in bench_contracts(s.config["bench"]):
                 for batch in args.batch_sizes:
-                    cell = bench_batch(s, batch, prompts, lay, bandwidth, near_tie)
+                    cell = bench_batch(s, batch, prompts, lay, rates, near_tie)
                     st.write_json(layout.bench_cell(bench_cell(args.backend, batch, prompts)), {
                         "backend": args.backend, "batch": batch, **s.params, **cell, "versions": versions,
                         "model": model})
@@ -251,12 +261,18 @@ def main(argv: list[str] | None = None) -> None:
                     st.metrics[f"{key}_tpot_p50_ms"] = cell["stats"]["tpot"]["p50"]
                     st.metrics[f"{key}_decode_tok_s"] = cell["stats"]["decode_tok_s"]
                     st.metrics[f"{key}_floor_fraction"] = cell["floor"]["floor_fraction"]
+                    st.metrics[f"{key}_ttft_over_floor"] = cell["prefill_floor"]["ttft_over_floor"]
                     if s.primary:
                         fl = cell["floor"]
                         print(f"[bench {args.backend}-b{batch} {prompts}] floor {fl['floor_ms']:.3f} ms a steady step "
                               f"({fl['bytes']['total'] / 1e6:.1f} MB at {fl[floor.BANDWIDTH_KEY]:.0f} GB/s), "
                               f"{100 * fl['floor_fraction']:.0f}% of TPOT p50; rows: {cell['rows_check']['verdict']}",
                               flush=True)
+                        pf = cell["prefill_floor"]
+                        print(f"[bench {args.backend}-b{batch} {prompts}] prefill floor {pf['floor_ms']:.3f} ms "
+                              f"({pf['bound']}: {pf['bytes']['total'] / 1e6:.1f} MB, {pf['flops'] / 1e9:.3g} GFLOP at "
+                              f"{pf[floor.FLOP_RATE_KEY]:.3g} TFLOP/s); TTFT p50 {pf['ttft_p50_ms']:.3f} ms, "
+                              f"{pf['ttft_over_floor']:.1f}x the floor", flush=True)
     except (CheckpointError, CheckpointInvalid, BenchError, replay.ReplayError) as e:
         sys.exit(f"[bench {args.backend}] error: {e}")
 

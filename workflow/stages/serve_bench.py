@@ -15,131 +15,36 @@ new_tokens tokens, or did not stream them, is written with its raw requests and 
 bench_report puts the builtin engine's cells beside its in-process cells. Before every measured round the in-process
 bench's machine probe (workflow/bench/machine.py) is timed on the host's CPU (the client's and, here, the server's
 host; `probe_ms`), for the claims between two directories.
+
+Then the rate rung, a cell per rate R of `bench.http.rates` (`http-<target>-r<R>`): `bench.http.requests` requests of
+`bench.prompt` sent at Poisson arrivals of R a second (seeded by `bench.http.seed`), whatever the server has answered
+(vLLM's `bench serve --request-rate R --num-prompts N`), each timed as above or recorded with the error that ended it
+(it counts as failed and misses the SLO; the stage goes on). The cell holds vLLM's figures (workflow.benchstats
+summarize_rate: TTFT, TPOT, ITL, E2E percentiles, request throughput, output tok/s) and goodput under
+`bench.http.slo`; the target's plot (plots/rates-<target>.png) sets each rate's throughput and goodput against its
+TPOT p50. The client (workflow/bench/load.py) is the soak stage's too.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from evident.workflow.bench import machine
-from evident.workflow.bench.benchstats import HTTP_METRICS, BenchError, measured_with, summarize_http
+from evident.workflow.bench.benchstats import (HTTP_METRICS, BenchError, measured_with, rate_plot, summarize_http,
+                                               summarize_rate)
+from evident.workflow.bench.load import extras, poisson_offsets, round_of, started_here, sweep, target_url
 from evident.workflow.core import layout
 from evident.workflow.core.evidence import Stage, read_config, read_json, stage_args
 from evident.workflow.models import checkpoints
 from evident.workflow.plan import environment, targets
-from evident.workflow.plan.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts
-
-USAGE = {"stream_options": {"include_usage": True}}
-# what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
-EXTRAS = ({"ignore_eos": True, **USAGE}, USAGE, {})
-BARRIER_S = 60  # a round's threads wait at most this long for each other
-
-
-@contextlib.contextmanager
-def target_url(spec: dict, ckpt: Path, dtype: str, device: str, kernels: str, log: Path):
-    """The target's base URL: the builtin engine's server started here, or the `openai` entry's url or server."""
-    if spec["kind"] == targets.BUILTIN:
-        with targets.engine_server(ckpt, device, dtype, log, kernels=kernels) as (base, _):
-            yield base
-    else:
-        with targets.endpoint(spec, ckpt, dtype, device, log) as base:
-            yield base
-
-
-def probe(client: targets.Client, prompt: str) -> dict:
-    """The extras the server takes (EXTRAS, best first), found with one short untimed streaming request: a 4xx
-    answers no, a 5xx is an error."""
-    def probe(extra: dict) -> dict:
-        for _ in client.stream({"prompt": prompt, "max_tokens": 2, **extra}):
-            pass
-        return extra
-
-    for extra in EXTRAS[:-1]:
-        try:
-            return probe(extra)
-        except targets.ServerError as e:
-            if e.status >= 500:
-                raise
-    return probe(EXTRAS[-1])  # none: an error now is the server's
-
-
-def stopped_early(client: targets.Client, body: dict) -> bool | None:
-    """Whether a streamed completion ended before its max_tokens: its usage's token count, else its last
-    finish_reason (`stop`: no stop strings are sent, so an EOS); None where the stream says neither."""
-    finish, tokens = None, None
-    for _, event in client.stream(body):
-        for choice in event.get("choices") or []:
-            finish = choice.get("finish_reason") or finish
-        if (n := (event.get("usage") or {}).get("completion_tokens")) is not None:
-            tokens = int(n)
-    if tokens is not None:
-        return tokens < body["max_tokens"]
-    return {"stop": True, "length": False}.get(finish)
-
-
-def eos_probe(client: targets.Client, extra: dict, texts: list[str], max_tokens: int) -> str:
-    """Whether a server that takes ignore_eos honours it (llama.cpp's accepts it and stops at EOS anyway): a prompt
-    of the contract's that stops early without it must reach max_tokens with it. `honoured`, `ignored` (it stopped
-    early with it too), or `unverified` (no prompt of the contract met EOS within max_tokens without it, or the
-    stream said neither how many tokens nor why it ended)."""
-    plain = {k: v for k, v in extra.items() if k != "ignore_eos"}
-    for text in dict.fromkeys(texts):
-        body = {"prompt": text, "max_tokens": max_tokens, **plain}
-        if stopped_early(client, body):
-            with_it = stopped_early(client, {**body, "ignore_eos": True})
-            return {True: "ignored", False: "honoured"}.get(with_it, "unverified")
-    return "unverified"
-
-
-def one_request(client: targets.Client, body: dict, start: Callable[[], float], tok: Tokenizer,
-                delay_s: float = 0.0) -> dict:
-    """One streamed request, sent delay_s after its round's start (`start()` waits until every thread of the round is
-    ready and returns that moment): each event that carries a choice, in ms after sending (`chunk_ms`), and its output
-    tokens (`counted_by`: the server's usage, else the tokenizer)."""
-    time.sleep(max(0.0, start() + delay_s - time.perf_counter()))  # one schedule: threads leave a barrier unevenly
-    sent = time.perf_counter()
-    chunks, texts, usage = [], [], None
-    for at, event in client.stream(body):
-        if "error" in event:
-            raise targets.TargetError(f"the server sent an error in its stream: {json.dumps(event['error'])[:300]}")
-        if choices := event.get("choices"):
-            chunks.append((at - sent) * 1e3)
-            texts.append(choices[0].get("text") or "")
-        if (event.get("usage") or {}).get("completion_tokens") is not None:
-            usage = int(event["usage"]["completion_tokens"])
-    end = time.perf_counter()
-    counted = {"output_tokens": usage, "counted_by": "usage"} if usage is not None else {
-        "output_tokens": len(tok.encode("".join(texts), add_special_tokens=False).ids), "counted_by": "tokenizer"}
-    return {"chunk_ms": chunks, **counted, "sent": sent, "end": end}
-
-
-def round_of(pool: ThreadPoolExecutor, client: targets.Client, bodies: list[dict], tok: Tokenizer,
-             gap_s: float = 0.0) -> dict:
-    """len(bodies) requests at once (or request r gap_s * r after the first): each as one_request records it, and the
-    round's duration (first sent to last stream's end)."""
-    t0 = []
-    ready = threading.Barrier(len(bodies), action=lambda: t0.append(time.perf_counter()))
-
-    def start() -> float:
-        ready.wait(BARRIER_S)
-        return t0[0]
-
-    reqs = list(pool.map(lambda rb: one_request(client, rb[1], start, tok, gap_s * rb[0]), enumerate(bodies)))
-    duration = (max(r.pop("end") for r in reqs) - min(r["sent"] for r in reqs)) * 1e3
-    for r in reqs:
-        r.pop("sent")
-    return {"duration_ms": duration, "requests": reqs}
-
+from evident.workflow.plan.runs import SAME, SHORT, bench_contracts, http_cell, prompt_keys, prompt_texts, rate_cell
 
 def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concurrency: int, extra: dict,
              dtype: str, device: str | None, eos: str = "refused") -> dict:
@@ -148,10 +53,15 @@ def contract(bench: dict, texts: list[str], tok: Tokenizer, prompts: str, concur
     that the server honours (ignore_eos only where `eos`, eos_probe's finding or `refused`, is `honoured`)."""
     ids = [tok.encode(t).ids for t in texts]  # as engine.serve and the in-process bench encode a text prompt
     return {"prompts": prompts, **prompt_keys(texts, ids, prompts), "new_tokens": bench["new_tokens"], "warmup": bench["warmup"],
-            "repeats": bench["repeats"], "concurrency": concurrency, "api": "/v1/completions, stream: true, greedy",
-            "request_extras": sorted(k for k in extra if k != "ignore_eos" or eos == "honoured"), "ignore_eos": eos,
-            "timer": "perf_counter on the client, at each server-sent event",
+            "repeats": bench["repeats"], "concurrency": concurrency, **request_keys(extra, eos),
             "dtype": dtype, "device": device}
+
+
+def request_keys(extra: dict, eos: str) -> dict:
+    """How every request of a cell was sent and timed."""
+    return {"api": "/v1/completions, stream: true, greedy",
+            "request_extras": sorted(k for k in extra if k != "ignore_eos" or eos == "honoured"), "ignore_eos": eos,
+            "timer": "perf_counter on the client, at each server-sent event"}
 
 
 def bench_cell(client: targets.Client, bench: dict, texts: list[str], prompts: str, extra: dict, tok: Tokenizer,
@@ -176,14 +86,30 @@ def bench_cell(client: targets.Client, bench: dict, texts: list[str], prompts: s
             "probe": machine.WORKLOAD}
 
 
+def rate_cell_of(client: targets.Client, bench: dict, rate: float, extra: dict, eos: str, tok: Tokenizer,
+                 dtype: str, device: str | None) -> dict:
+    """One rate of the rate rung: bench.http.requests requests of bench.prompt at Poisson arrivals (seeded), each
+    recorded as load.sweep records it, and vLLM's figures (benchstats.summarize_rate)."""
+    http = bench["http"]
+    ids = [tok.encode(bench["prompt"]).ids]
+    done = sweep(client, {"prompt": bench["prompt"], "max_tokens": bench["new_tokens"], **extra},
+                 poisson_offsets(rate, http["seed"], n=http["requests"]), tok)
+    return {"contract": {"prompts": SAME, **prompt_keys([bench["prompt"]], ids, SAME), "new_tokens": bench["new_tokens"],
+                         "rate": rate, "requests": http["requests"], "arrivals": "poisson", "seed": http["seed"],
+                         "slo": http["slo"], **request_keys(extra, eos), "dtype": dtype, "device": device},
+            "requests": done["requests"], "duration_ms": done["duration_ms"],
+            "stats": summarize_rate(done["requests"], done["duration_ms"], bench["new_tokens"], http["slo"])}
+
+
 def run(ckpt: Path, evidence: Path, spec: dict) -> None:
     config = read_config(evidence / layout.CONFIG)
     bench, name, kind = config["bench"], spec["name"], spec["kind"]
+    http = bench["http"]
     device = environment.resolve_device(config["device"])
     dtype = spec.get("dtype") or config["dtype"]
     builtin = kind == targets.BUILTIN
-    where = device if builtin or "serve" in spec else None  # a url's server runs wherever it runs
-    params = {"target": name, "kind": kind, "concurrency": bench["http"]["concurrency"], "dtype": dtype,
+    where = device if started_here(spec) else None  # a url's server runs wherever it runs
+    params = {"target": name, "kind": kind, "concurrency": http["concurrency"], "rates": http["rates"], "dtype": dtype,
               "device": where, **({"kernels": bench["kernels"]} if builtin else {})}
     with Stage(evidence, f"serve_bench-{name}", params=params) as st:
         checkpoints.verify(ckpt, read_json(evidence / layout.CHECKPOINT))
@@ -198,27 +124,22 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
         with target_url(spec, ckpt, dtype, device, bench["kernels"], server_log) as base:
             client = targets.Client(base).connect()
             ready_s = time.perf_counter() - t0
-            extra = probe(client, bench["prompt"])
-            eos = "refused"
-            if "ignore_eos" in extra:
-                contract_texts = [bench["prompt"], *(bench.get("prompts") or [])]
-                eos = eos_probe(client, extra, contract_texts, bench["new_tokens"])
-                if eos == "ignored":  # not sent: it does nothing there
-                    extra = {k: v for k, v in extra.items() if k != "ignore_eos"}
-            log(f"{'started' if builtin or 'serve' in spec else 'at its url'}, ready after {ready_s:.1f}s; "
+            extra, eos = extras(client, [bench["prompt"], *(bench.get("prompts") or [])], bench["new_tokens"])
+            log(f"{'started' if started_here(spec) else 'at its url'}, ready after {ready_s:.1f}s; "
                 f"request extras: {sorted(extra) or 'none'}; ignore_eos {eos}")
+            common = {"target": name, "kind": kind, **({"kernels": bench["kernels"]} if builtin else {}), "dtype": dtype,
+                      "device": where}
+            server = {"ready_s": round(ready_s, 3), "model": targets.model_id(client.model),
+                      "started": "here" if started_here(spec) else "url"}
             for prompts in bench_contracts(bench):
-                for c in bench["http"]["concurrency"]:
+                for c in http["concurrency"]:
                     texts = prompt_texts(bench, c, prompts)
                     cell = bench_cell(client, bench, texts, prompts, extra, tok, log)
                     label = http_cell(name, c, prompts)
                     st.write_json(layout.bench_cell(label), {
-                        "target": name, "kind": kind, "concurrency": c,
-                        **({"kernels": bench["kernels"]} if builtin else {}), "dtype": dtype, "device": where,
+                        **common, "concurrency": c,
                         "contract": contract(bench, texts, tok, prompts, c, extra, dtype, where, eos),
-                        "server": {"ready_s": round(ready_s, 3), "model": targets.model_id(client.model),
-                                   "started": "here" if builtin or "serve" in spec else "url"},
-                        **cell, "versions": versions, "model": model})
+                        "server": server, **cell, "versions": versions, "model": model})
                     if (s := cell["stats"]) is not None:
                         key = f"c{c}" if prompts == SAME else f"distinct_c{c}"
                         st.metrics.update({f"{key}_{m}_p50_ms": s[m]["p50"] for m in HTTP_METRICS})
@@ -226,6 +147,28 @@ def run(ckpt: Path, evidence: Path, spec: dict) -> None:
                         log(f"{label}: TTFT p50 {s['ttft']['p50']:.2f} ms, TPOT p50 {s['tpot']['p50']:.3f} ms, "
                             f"ITL p50 {s['itl']['p50']:.3f} ms, {s['output_tok_s']:.1f} output tok/s"
                             + (f" (noisy: {s['noise_reason']})" if s["noisy"] else ""))
+            rated = []
+            for rate in http["rates"]:
+                cell = {**common, "rate": rate, **rate_cell_of(client, bench, rate, extra, eos, tok, dtype, where),
+                        "server": server, "versions": versions, "model": model}
+                st.write_json(layout.bench_cell(rate_cell(name, rate)), cell)
+                rated.append(cell)
+                s, key = cell["stats"], f"r{float(rate):g}"
+                st.metrics.update({f"{key}_request_throughput": s["request_throughput"],
+                                   f"{key}_output_tok_s": s["output_tok_s"], f"{key}_failed": s["failed"],
+                                   **({f"{key}_goodput": s["goodput"]} if s["goodput"] is not None else {}),
+                                   **{f"{key}_{m}_p50_ms": s[m]["p50"] for m in HTTP_METRICS if s[m]}})
+                log(f"{rate_cell(name, rate)}: {s['completed']}/{s['requests']} completed in {s['duration_s']:.2f} s, "
+                    f"{s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} output tok/s"
+                    + (f", TPOT p50 {s['tpot']['p50']:.3f} ms" if s["tpot"] else "")
+                    + (f", goodput {s['goodput']:.2f} req/s ({s['good']} good)" if s["goodput"] is not None else ""))
+        if rated:
+            try:
+                rate_plot(rated, evidence / layout.rate_plot(name))
+            except BenchError as e:  # no rate completed a request: the cells say why, the plot has no point
+                log(f"no rate plot: {e}")
+            else:
+                st.add_file(evidence / layout.rate_plot(name))
         if server_log.is_file():
             st.add_file(server_log)
 
