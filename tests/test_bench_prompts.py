@@ -246,9 +246,15 @@ def test_summary_names_each_figures_contract_with_its_floor_beside_it(benched):
     cells = sorted((ev / "bench").glob("single*-b*.json"))
     bench_report.main(["--evidence", str(ev), *map(str, cells)])
     text = "\n".join(summary.bench_section(ev))
-    table = [[c.strip() for c in line.strip("|").split("|")]
-             for line in text.splitlines() if line.startswith("| single")]
+    decode, prefill = text.split("Prefill floor (TTFT p50 against it)")  # the decode step's table, then the prefill's
+    rows = lambda part: [[c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+                         for line in part.splitlines() if line.startswith("| single")]
+    table = rows(decode)
     assert [(r[1], r[2]) for r in table] == [("same", "1"), ("same", "4"), ("distinct", "1"), ("distinct", "4")]
+    for row in rows(prefill):  # each cell's TTFT p50 against its own prefill floor
+        fl = read_json(ev / f"bench/single{'-distinct' if row[1] == 'distinct' else ''}-b{row[2]}.json")["prefill_floor"]
+        assert row[4:8] == [f"{fl['ttft_p50_ms']:.3f}", f"{fl['floor_ms']:.3f}", fl["bound"], f"{fl['ttft_over_floor']:.1f}x"]
+    assert len(rows(prefill)) == 4
     for row in table:
         cell = read_json(ev / f"bench/single{'-distinct' if row[1] == 'distinct' else ''}-b{row[2]}.json")
         fl = cell["floor"]

@@ -395,11 +395,12 @@ def test_a_campaign_runs_only_its_stages(tmp_path):
     assert not any((ev / d).exists() for d in ("oracle", "parity", "bench", "overlap", "kernels", "profile"))
     gate = json.loads(next((wd / ".evident/gates/mini").iterdir()).read_text())
     assert gate["verdicts"] == {"parity": None, "overlap": None, "audit": None, "quality": "no_claim", "soak": None}
-    assert gate["not_run"] == ["parity", "overlap", "audit"] and gate["advisory"] == ["quality"]
+    assert gate["not_run"] == ["parity", "overlap", "audit", "soak"] and gate["advisory"] == ["quality"]
     summary = (ev / SUMMARY).read_text()
-    assert "Stages not run (the campaign's `stages:`): oracle, parity, bench, serve_bench, overlap, kernel_audit, profile." in summary
+    assert ("Stages not run (the campaign's `stages:`): oracle, parity, bench, serve_bench, soak, overlap, "
+            "kernel_audit, profile.") in summary
     rows = gate_rows(summary)
     assert {g: r[:2] for g, r in rows.items() if g != "quality"} == dict.fromkeys(
-        ("parity", "overlap", "audit"), ["—", "not run (not in the campaign's `stages:`)"])
+        ("parity", "overlap", "audit", "soak"), ["—", "not run (not in the campaign's `stages:`)"])
     assert rows["quality"][:2] == ["`no_claim`", "**fails** (advisory: the run does not fail on it)"]
     assert "### Parity" not in summary and "### GSM8K quality gate" in (ev / DETAILS).read_text()

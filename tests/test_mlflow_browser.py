@@ -124,10 +124,13 @@ def ui(tmp_path_factory):
 def test_the_plots_load_in_mlflows_artifact_view(ui):
     url, ids, ev, browser = ui
     page = f"{url}/#/experiments/{ids['experiment_id']}/runs/{ids['parent_run_id']}/artifacts/DETAILS-with-plots.md"
-    loaded = browser.open(page, """(() => {
+    # every plot of DETAILS.md decoded (the page's own images, MLflow's logo, may load first)
+    alts = json.dumps(list(PLOTS.values()))
+    loaded = browser.open(page, f"""(() => {{
         const shown = [...document.images].filter(i => i.complete && i.naturalWidth > 0 && i.currentSrc);
-        return shown.length >= 2 && Object.fromEntries(shown.map(i => [i.alt, i.currentSrc]));
-    })()""")
+        const got = Object.fromEntries(shown.map(i => [i.alt, i.currentSrc]));
+        return {alts}.every(a => a in got) && got;
+    }})()""")
     assert loaded, browser.js("document.body.innerText.slice(0, 2000)")
     for name, alt in PLOTS.items():  # each decoded by the browser, from the parent's own artifact
         with urllib.request.urlopen(loaded[alt], timeout=10) as r:

@@ -124,7 +124,8 @@ def test_default_campaign_writes_sealed_evidence(default_run):
     assert rows == {"overlap": ["`not_measured`", "measured nothing: not a pass", ov.SKIP_REASON],
                     "audit": ["`not_compiled`", "measured nothing: not a pass",
                               json.loads((ev / "kernels/audit.json").read_text())["reason"]],
-                    "quality": ["`pass`", "passes"]}
+                    "quality": ["`pass`", "passes"],
+                    "soak": ["—", "not run (not in the campaign's `stages:`)", "—"]}  # the soak runs only where named
     assert_pasteable(summary)
     lines = summary.splitlines()
     assert len(lines) <= 70 and max(len(line) for line in lines if line.startswith("|")) <= 200, len(lines)
