@@ -929,7 +929,7 @@ def prefill_lines(cells: list[dict]) -> list[str]:
 
 def rate_cells(root: Path) -> list[dict]:
     """The directory's cells of the rate rung (bench/http-<target>-r<R>.json, runs.is_rate), in label order."""
-    cells = [c for p in sorted((root / layout.BENCH).glob("*.json")) if is_rate(c := read_json(p))]
+    cells = [c for p in sorted(root.glob(layout.RATE_CELLS)) if is_rate(c := read_json(p))]
     return sorted(cells, key=lambda c: label_key(cell_label(c)))
 
 

@@ -53,6 +53,8 @@ WINDOW_S = 60
 # holds a flat resident set; the floor in MB keeps a small server's allocator noise from reading as a leak.
 MEMORY_GROWTH = 0.05
 MEMORY_GROWTH_MB = 32.0
+MEMORY_RULE = (f"median RSS of the last third over the middle third's: flagged above +{MEMORY_GROWTH:.0%} and "
+               f"+{MEMORY_GROWTH_MB:g} MB (the first third is the server's warm-up)")
 LOG_TAIL = 20  # lines of a dead server's log kept in its record
 PROC = Path("/proc")
 
@@ -146,8 +148,7 @@ def growth(samples: list[list[float]], duration_s: float) -> dict:
     """The memory rule (MEMORY_GROWTH) on [seconds, MB] samples."""
     middle = [mb for t, mb in samples if duration_s / 3 <= t < 2 * duration_s / 3]
     last = [mb for t, mb in samples if t >= 2 * duration_s / 3]
-    rule = {"rule": f"median RSS of the last third over the middle third's: flagged above +{MEMORY_GROWTH:.0%} and "
-                    f"+{MEMORY_GROWTH_MB:g} MB (the first third is the server's warm-up)"}
+    rule = {"rule": MEMORY_RULE}
     if not middle or not last:
         return {**rule, "growth_mb": None, "growth": None, "flagged": False,
                 "why": "no sample in the middle or the last third (the server died first)"}
@@ -273,8 +274,8 @@ def run(ckpt: Path, evidence: Path, specs: list[dict]) -> None:
 
             r = soak_target(spec, ckpt, evidence, config, tok, log)
             st.write_json(layout.soak_record(spec["name"]), r)
-            if (evidence / layout.log(f"soak-{spec['name']}-server")).is_file():
-                st.add_file(evidence / layout.log(f"soak-{spec['name']}-server"))
+            if (server_log := evidence / layout.log(f"soak-{spec['name']}-server")).is_file():
+                st.add_file(server_log)
             records.append(r)
             log(f"{r['verdict']}: {headline(r)}" + "".join(f"; {why}" for why in r["reasons"]))
             st.metrics.update({f"{spec['name']}_errors": r["counts"]["errors"],
@@ -289,7 +290,7 @@ def run(ckpt: Path, evidence: Path, specs: list[dict]) -> None:
             "verdict": verdict, "verdict_reason": "; ".join(headline(r) for r in records),
             "reason": "; ".join(reasons) or None,
             "targets": {r["target"]: {"verdict": r["verdict"], "reasons": r["reasons"]} for r in records},
-            "rules": {"errors": "every request must complete its new_tokens, streamed", "memory": growth([], 1)["rule"],
+            "rules": {"errors": "every request must complete its new_tokens, streamed", "memory": MEMORY_RULE,
                       "drift": "recorded, not gated", "death": "the server's process must not exit during the soak"}})
         st.tags[SOAK_GATE.tag] = verdict
 
