@@ -263,12 +263,13 @@ class GraphDecode(CapturedStep):
         ``cache()`` -> logits [B, W, vocab]: the model's forward, without a host synchronisation (the rows start at
         0), captured once per (B, W rounded up) in a CUDA graph and replayed on the new inputs (their padding to the
         rounded width computed, written past each row's length and never read). Without CUDA, or for more than
-        PREFILL_TOKENS tokens, the forward itself."""
+        PREFILL_TOKENS tokens, or into a cache not from ``cache()`` (no graph may hold it), the forward itself."""
         B, W = tokens.shape
         width = min(-(-W // PREFILL_BUCKET) * PREFILL_BUCKET, cache.max_len)
-        if not (self.graphs and PREFILL_GRAPHS) or B * width > PREFILL_TOKENS:
+        held = self.caches.get((cache.lengths.shape[0], cache.max_len))
+        if (not (self.graphs and PREFILL_GRAPHS) or B * width > PREFILL_TOKENS or held is None
+                or held.cache is not cache):
             return self.model(tokens, cache, rows, lengths, start=0)
-        held = self._held(cache, "prefill")
         state = held.prefills.pop((B, width), None)
         if state is None:
             while len(held.prefills) >= PREFILLS:

@@ -211,6 +211,8 @@ class Replays:
 def test_the_prefill_is_captured_once_per_shape_and_replayed_on_new_inputs(models, monkeypatch):
     """GraphDecode.prefill with a stand-in for the graph: one capture per (rows, width rounded up to PREFILL_BUCKET),
     each prefill's inputs refilled into its buffers, the warm-up's advance undone; logits HF's for each prompt alone."""
+    from test_engine_kernels import prefill_logits
+
     hf, _, fast = models
     captures = []
 
@@ -224,6 +226,7 @@ def test_the_prefill_is_captured_once_per_shape_and_replayed_on_new_inputs(model
 
     monkeypatch.setattr(graph_decode, "capture", stand_in_capture)
     monkeypatch.setattr(fast.graph_decode, "graphs", True)
+    monkeypatch.setattr(fast.graph_decode, "caches", {})  # this test's own (on a GPU, earlier tests captured theirs)
     with torch.inference_mode():
         for prompts in ([PROMPT, LONGER], [LONGER[:3], PROMPT + [7]]):  # widths 8 and 6: both 16
             rows = Rows(fast, 2, 20)
@@ -232,8 +235,12 @@ def test_the_prefill_is_captured_once_per_shape_and_replayed_on_new_inputs(model
             for g, p in zip(got, prompts):
                 with torch.no_grad():
                     assert (g.double().cpu() - hf(torch.tensor([p])).logits[0].double()).abs().max() < 1e-4
+        # a cache not from the path's cache(): no graph may hold it, so the forward itself, nothing captured
+        got = prefill_logits(fast, [PROMPT, LONGER])
     assert len(captures) == 1
     assert [list(h.prefills) for h in fast.graph_decode.caches.values() if h.prefills] == [[(2, 16)]]
+    with torch.no_grad():
+        assert all((g - hf(torch.tensor([p])).logits[0].double()).abs().max() < 1e-4 for g, p in zip(got, [PROMPT, LONGER]))
 
 
 def test_experts_become_views_of_the_stacks(models):

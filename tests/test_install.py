@@ -15,7 +15,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

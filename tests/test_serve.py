@@ -393,7 +393,7 @@ def test_top_logprobs_keep_k_entries_across_a_multi_byte_character(client, engin
         assert list(top) == [name(tok, t) for t in top_ids(top_by_id)]
     assert any(t.startswith("bytes:") for top in named.logprobs.top_logprobs[1:] for t in top)
     # text_offset: each token where the tokens before it end, a token within a character at the character's start
-    text, offsets = named.text, named.logprobs.text_offset
+    offsets = named.logprobs.text_offset
     for i, at in enumerate(offsets[:len(ids)]):
         if "\ufffd" not in (before := tok.decode(ids[:i], skip_special_tokens=True)):
             assert at == len(before) and prompt[:at] == before

@@ -75,13 +75,16 @@ def test_a_rate_cell_counts_failures_and_goodput_as_vllm_does():
     assert (dead["completed"], dead["goodput"], dead["tpot"]) == (0, 0.0, None)
 
 
-def test_a_sweep_records_a_refused_server_as_errors_and_goes_on(tmp_path):
+def test_a_sweep_records_a_refused_server_as_errors_and_goes_on(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
     ckpt, _ = tinyev.make(tmp_path, tinyev.config())
     closed = targets.Client(f"http://127.0.0.1:{targets.free_port()}/v1")  # nothing listens there
+    monkeypatch.setattr(load, "PROGRESS_S", 0.0)  # a progress line at every request sent
+    lines: list[str] = []
     done = load.sweep(closed, {"prompt": "x", "max_tokens": 4}, [0.0, 0.01, 0.02],
-                      Tokenizer.from_file(str(ckpt / "tokenizer.json")))
+                      Tokenizer.from_file(str(ckpt / "tokenizer.json")), progress=lines.append)
+    assert [line.split(": ")[1].split(",")[0] for line in lines] == [f"{i} of 3 requests sent" for i in (1, 2, 3)]
     assert len(done["requests"]) == 3 and done["unsent"] == 0
     assert all(r["error"].startswith("URLError") and r["sent_ms"] >= r["scheduled_ms"] for r in done["requests"])
 

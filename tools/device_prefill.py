@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 if "--tiny" in sys.argv:  # read when Triton compiles the kernels' decorators: before anything imports it
@@ -106,14 +107,20 @@ def agreement(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, 
 
 
 def check(args: ModelArgs, device: str, dtype: torch.dtype, paths: list[str], prompts) -> dict:
-    """Each kernel path's prefill logits against the torch path's: {path: (relative error, top-1 agreement)}."""
+    """Each kernel path's prefill logits against the torch path's: {path: (relative error, top-1 agreement)}, a line
+    printed as each is known (a first build at full width compiles kernels: minutes)."""
+    t0 = time.perf_counter()
     ref = prefill_logits(build(args, device, dtype, "torch"), prompts)
+    release(device)
     out = {}
     for path in paths:
         if path != "torch":
             on(path)
             out[path] = agreement(prefill_logits(build(args, device, dtype, path), prompts), ref)
             release(device)
+            print(f"check {str(dtype).removeprefix('torch.')}, {args.num_hidden_layers} layers, {path} against torch: "
+                  f"relative error {out[path][0]:.3g}, top-1 {out[path][1]:.3f} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     return out
 
 
@@ -185,13 +192,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 1. correctness, float32 first
     fp32 = check(model_args(name, check_layers), device, torch.float32, paths, ragged)
-    for path, (rel, top1) in fp32.items():
-        print(f"check float32, {check_layers or args.num_hidden_layers} layers, {path} against torch: "
-              f"relative error {rel:.3g}, top-1 {top1:.3f}", flush=True)
     low = check(args, device, dtype, paths, ragged) if dtype != torch.float32 else fp32
-    for path, (rel, top1) in low.items() if low is not fp32 else ():
-        print(f"check {str(dtype).removeprefix('torch.')}, {args.num_hidden_layers} layers, {path} against torch: "
-              f"relative error {rel:.3g}, top-1 {top1:.3f}", flush=True)
     wrong = [p for p in paths if p in fp32 and not (fp32[p][0] < CHECK_TOL and low[p][0] < BF16_TOL)]
     if wrong:
         print(f"not timed, their prefill is not the torch path's: {', '.join(wrong)}", flush=True)

@@ -311,7 +311,7 @@ def claim_boundary(root: Path, oracle, comparison, config: dict, env: dict, ckpt
            + "; EOS ignored; noisy cells make no claim. The floor is a model of the bytes a step must read, over a "
              "measured read bandwidth, not a measurement of the step."]
           if frames is not None else []),
-        *([f"- HTTP figures are the client's, on loopback (127.0.0.1) on this machine: they include the server's "
+        *(["- HTTP figures are the client's, on loopback (127.0.0.1) on this machine: they include the server's "
            "HTTP, JSON and event-stream work and its batching, not a network; a URL target's server ran wherever it "
            "ran. A figure holds for its concurrency, with every request of a round sent at once."]
           if frames and frames[1] is not None else []),

@@ -31,6 +31,7 @@ PLAIN_USAGE = {"stream_options": {"include_usage": True}}  # for a server that r
 # what a request adds to OpenAI's fields, best first: the first the server takes is used for every request
 EXTRAS = ({"ignore_eos": True, **USAGE}, {"ignore_eos": True, **PLAIN_USAGE}, USAGE, PLAIN_USAGE, {})
 BARRIER_S = 60  # a round's threads wait at most this long for each other
+PROGRESS_S = 10.0  # a long sweep's progress line, at most this often
 MAX_IN_FLIGHT = 256  # a sweep's requests in flight at most: a later one is sent late (`sent_ms` says how late)
 # what one request of a sweep may end with, recorded as its error: an error status or a bad event (TargetError), a
 # refused, reset or timed-out connection (OSError), a stream cut short (HTTPException), a reply that is not JSON
@@ -172,12 +173,14 @@ def poisson_offsets(rate: float, seed: int, n: int | None = None, duration_s: fl
 
 
 def sweep(client: targets.Client, body: dict, offsets_s: list[float], tok: Tokenizer,
-          stop: threading.Event | None = None) -> dict:
+          stop: threading.Event | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """An open loop: request i sent offsets_s[i] after the sweep's start, whatever the server has answered (vLLM's
     bench serve at a --request-rate). Each request as stream_request records it, in ms from the sweep's start
     (`scheduled_ms`, `sent_ms`, `end_ms`), or with the `error` that ended it; none is sent once `stop` is set (a
-    server that died: `unsent` counts them). `duration_ms`: the start to the last request's end."""
+    server that died: `unsent` counts them). `duration_ms`: the start to the last request's end. `progress`, if
+    given, gets a line every PROGRESS_S while requests are sent."""
     t0, futures = time.perf_counter(), []
+    last = t0
 
     def timed(at: float) -> dict:
         sent = time.perf_counter()
@@ -199,6 +202,10 @@ def sweep(client: targets.Client, body: dict, offsets_s: list[float], tok: Token
             if wait > 0 and stop is None:
                 time.sleep(wait)
             futures.append(pool.submit(timed, at))
+            if progress is not None and (now := time.perf_counter()) - last >= PROGRESS_S:
+                last, ended = now, [f.result() for f in futures if f.done()]
+                progress(f"{now - t0:.0f} s: {len(futures)} of {len(offsets_s)} requests sent, {len(ended)} ended, "
+                         f"{sum('error' in r for r in ended)} failed")
         reqs = [f.result() for f in futures]
     duration = max((r["end_ms"] for r in reqs), default=(time.perf_counter() - t0) * 1e3)
     return {"duration_ms": duration, "requests": reqs, "unsent": len(offsets_s) - len(reqs)}

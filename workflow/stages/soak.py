@@ -206,7 +206,7 @@ def soak_target(spec: dict, ckpt: Path, evidence: Path, config: dict, tok: Token
             log(f"soaking for {duration:g} s at {soak['rate']:g} requests/s (extras {sorted(extra) or 'none'})")
             try:
                 done = sweep(client, {"prompt": bench["prompt"], "max_tokens": bench["new_tokens"], **extra}, offsets,
-                             tok, stop)
+                             tok, stop, progress=log)
             finally:
                 finished.set()
                 if pid is not None:
