@@ -358,7 +358,7 @@ EXPECTED_COLUMNS = [
     "backend", "prompts", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
     "first_warmup_over_repeat_s", "floor_ms", "floor_fraction", "floor_MB", "unique_experts_mean",
-    "unique_experts_min", "unique_experts_max",
+    "unique_experts_min", "unique_experts_max", "prefill_floor_ms", "ttft_over_prefill_floor",
 ]
 
 
@@ -405,6 +405,7 @@ def distinct(c: dict, floor_ms: float | None = None) -> dict:
     if floor_ms is not None:
         c["floor"] = {"floor_ms": floor_ms, "floor_fraction": floor_ms / c["stats"]["tpot"]["p50"],
                       "bytes": {"total": 5e6}, "unique_experts": {"mean": 5.5, "min": 4, "max": 7}}
+        c["prefill_floor"] = {"floor_ms": floor_ms / 2, "ttft_over_floor": c["stats"]["ttft"]["p50"] / (floor_ms / 2)}
     return c
 
 
@@ -415,6 +416,9 @@ def test_the_two_prompt_contracts_are_two_rows_with_their_floors():
                            cell([3.0] * 3, backend="single", batch=4)])
     assert list(zip(frame["prompts"], frame["tpot_p50_ms"])) == [("same-prompt", 3.0), ("distinct-prompts", 4.0)]
     assert frame["floor_fraction"].tolist()[1] == pytest.approx(0.5) and frame["floor_ms"].isna().tolist()[0]
+    # the prefill's floor beside the cell's TTFT: 11 ms over 1 ms; none for the cell without one
+    assert frame["prefill_floor_ms"].tolist()[1] == 1.0 and frame["ttft_over_prefill_floor"].tolist()[1] == 11.0
+    assert frame[["prefill_floor_ms", "ttft_over_prefill_floor"]].iloc[0].isna().all()
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_table(frame).strip().splitlines()]
     assert rows[2] == ["single", "same", "4", "3.000", "3.000", "3.000", "1333.3", "—", "—", "—", "no"]
     assert rows[3][:3] == ["single", "distinct", "4"] and rows[3][7:] == ["2.000", "50%", "5.5 (4–7)", "no"]

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "ep_worker.py"
 WORLD = 2
 N_NEW = 16
-BATCHES = list(range(1, 9))
+BATCHES = [1, 2, 5, 8]  # one row, a pair, an odd count, the largest: each rank's rows are the batch's, at every size
 PROMPTS = [[17, 200, 3, 99, 45, 128, 7, 250, 311], [5, 480, 61, 2, 64]]
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
               num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,

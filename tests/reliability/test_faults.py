@@ -28,22 +28,19 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
-# Several independent stages (oracle, parity, bench, overlap, kernel audit) and two cases, run with -j 4.
+# Several independent stages (oracle, parity, bench, overlap, kernel audit) and two cases, run with -j 4: what the
+# faults hit is the orchestration (locks, incomplete outputs, the seal, tracking), which the other stages (each with
+# its own end-to-end tests) would only make slower.
 CAMPAIGN = {"campaign": "faults", "device": "cpu", "checkpoint": tinyev.synthetic(),
+            "stages": ["oracle", "parity", "bench", "overlap", "kernel_audit"],
             "cases": [{"name": "greeting", "prompt": "Hello, evident!", "max_new_tokens": 6},
                       {"name": "code", "prompt": "def fibonacci(n):", "max_new_tokens": 4}],
             "parity": {"batch_sizes": [1, 2], "backends": ["single"]},
-            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0,
-                      "http": {"concurrency": [1]}},
-            "overlap": {"inputs": 4},
-            # the engine endpoint has its own tests; a reference alone compares nothing: no_claim, advisory
-            "quality": {"targets": ["hf"], "reference": "hf", "advisory": True,
-                        "gsm8k": {"source": "embedded", "limit": 2, "shots": 1, "max_tokens": 8}},
-            "profile": {"steps": 1}}
+            "bench": {"backends": ["single"], "batch_sizes": [1], "new_tokens": 4, "repeats": 1, "warmup": 0},
+            "overlap": {"inputs": 4}}
 # Files whose content depends on the clock: stage records (start, finish, seconds), logs, bench timings and
 # what is drawn or written from them. Everything else must be byte-identical between two runs.
-TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "DETAILS.md", "stages/", "logs/", "bench/", "plots/bench.png",
-                "profile/", "plots/profile.png")
+TIME_VARYING = ("MANIFEST.json", "SUMMARY.md", "DETAILS.md", "stages/", "logs/", "bench/", "plots/bench.png")
 
 
 SLOW_HOOK = "EVIDENT_TEST_SLOW_STAGE"
@@ -253,11 +250,7 @@ def test_the_rerun_completes_identical_evidence(killed, outage):
     assert sorted(a) == sorted(b)
     stable = [rel for rel in a if not rel.startswith(TIME_VARYING)]
     assert len(stable) >= 8, stable
-    differ = [rel for rel in stable if a[rel]["sha256"] != b[rel]["sha256"]]
-    for rel in differ:  # a stage's own wall time inside its result file (quality/gsm8k-*.json): all else equal
-        x, y = read_json(ev / rel), read_json(clean / rel)
-        assert rel.endswith(".json") and x.pop("seconds") != y.pop("seconds") and x == y, rel
-    assert len(differ) <= 2, differ
+    assert [rel for rel in stable if a[rel]["sha256"] != b[rel]["sha256"]] == []
     for rel in a:  # stage records agree on all but the clock and timings
         if rel.startswith("stages/"):
             x, y = read_json(ev / rel), read_json(clean / rel)

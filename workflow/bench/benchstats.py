@@ -78,7 +78,7 @@ FRAME_COLUMNS = [
     "backend", "prompts", "batch", "ttft_p50_ms", "first_decode_p50_ms", "tpot_avg_ms", "tpot_p50_ms",
     "tpot_p95_ms", "tpot_p99_ms", "tpot_max_ms", "tpot_count", "decode_tok_s", "spread", "noisy",
     "first_warmup_over_repeat_s", "floor_ms", "floor_fraction", "floor_MB", "unique_experts_mean",
-    "unique_experts_min", "unique_experts_max",
+    "unique_experts_min", "unique_experts_max", "prefill_floor_ms", "ttft_over_prefill_floor",
 ]
 
 MARKDOWN_HEADER = [
@@ -671,8 +671,8 @@ def by_transport(frame):
 
 def summary_frame(cells: list[dict]):
     """One row per cell in FRAME_COLUMNS order, sorted by backend, prompt contract (workflow.runs: same-prompt
-    first, then distinct-prompts), then batch; the floor columns from the cell's `floor`
-    (workflow.floor.bench_floor; empty for a cell that predates it).
+    first, then distinct-prompts), then batch; the floor columns from the cell's `floor` and `prefill_floor`
+    (workflow.floor.bench_floor and prefill_floor; empty for a cell that predates them).
 
     Fails on no cells or on a repeated (backend, prompts, batch): either would make a table or a plot
     line that silently shows something other than one measurement per point.
@@ -691,7 +691,7 @@ def summary_frame(cells: list[dict]):
             raise BenchError(f"duplicate cell backend={key[0]} prompts={key[1]} batch={key[2]}")
         seen.add(key)
         s = cell["stats"]
-        fl = cell.get("floor") or {}
+        fl, pf = cell.get("floor") or {}, cell.get("prefill_floor") or {}
         unique = fl.get("unique_experts") or {}
         rows.append({
             "backend": str(cell["backend"]),
@@ -714,6 +714,7 @@ def summary_frame(cells: list[dict]):
             "floor_MB": fl["bytes"]["total"] / 1e6 if fl.get("bytes") else None,
             "unique_experts_mean": unique.get("mean"), "unique_experts_min": unique.get("min"),
             "unique_experts_max": unique.get("max"),
+            "prefill_floor_ms": pf.get("floor_ms"), "ttft_over_prefill_floor": pf.get("ttft_over_floor"),
         })
     frame = pd.DataFrame(rows, columns=FRAME_COLUMNS)
     same_first = lambda col: col.map(lambda v: v != SAME) if col.name == "prompts" else col  # noqa: E731

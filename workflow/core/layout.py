@@ -75,8 +75,8 @@ def soak_record(target: str) -> str:
     return f"{SOAK}/{target}.json"
 
 
-BENCH_CELLS = f"{BENCH}/*-[bc]*.json"
-RATE_CELLS = f"{BENCH}/http-*-r*.json"  # the rate rung's cells, as a glob  # every cell's file, as a glob (summary.csv and baseline.json are not cells)
+BENCH_CELLS = f"{BENCH}/*-[bc]*.json"  # every cell's file, as a glob (summary.csv and baseline.json are not cells)
+RATE_CELLS = f"{BENCH}/http-*-r*.json"  # the rate rung's cells, as a glob
 
 
 def screen_files(name: str, builtin: bool) -> dict[str, str]:
