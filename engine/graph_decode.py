@@ -134,9 +134,13 @@ class CapturedStep:
         while self.caches:
             self._drop(next(iter(self.caches)))
 
-    def _held(self, cache, what: str) -> Held:
+    def _holding(self, cache) -> Held | None:
+        """The path's record of ``cache``, or None where ``cache()`` did not make it."""
         held = self.caches.get((cache.lengths.shape[0], cache.max_len))
-        if held is None or held.cache is not cache:
+        return held if held is not None and held.cache is cache else None
+
+    def _held(self, cache, what: str) -> Held:
+        if (held := self._holding(cache)) is None:
             raise ValueError(f"{what}: the cache must come from this graph path's cache(): its graph holds that one")
         return held
 
@@ -266,9 +270,8 @@ class GraphDecode(CapturedStep):
         PREFILL_TOKENS tokens, or into a cache not from ``cache()`` (no graph may hold it), the forward itself."""
         B, W = tokens.shape
         width = min(-(-W // PREFILL_BUCKET) * PREFILL_BUCKET, cache.max_len)
-        held = self.caches.get((cache.lengths.shape[0], cache.max_len))
-        if (not (self.graphs and PREFILL_GRAPHS) or B * width > PREFILL_TOKENS or held is None
-                or held.cache is not cache):
+        held = self._holding(cache)
+        if not (self.graphs and PREFILL_GRAPHS) or B * width > PREFILL_TOKENS or held is None:
             return self.model(tokens, cache, rows, lengths, start=0)
         state = held.prefills.pop((B, width), None)
         if state is None:
