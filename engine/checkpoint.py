@@ -20,7 +20,7 @@ from . import decode_kernels, graph_decode
 from .config import V4, CheckpointError, ModelArgs, load_args
 from .model import Transformer
 from .parallel import ExpertParallel
-from .tensors import mtp_tensor, read_tensors, seated
+from .tensors import mtp_tensor, on_meta, read_tensors, seated
 from .v4_checkpoint import load_v4
 
 _PACKED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -108,7 +108,7 @@ def load_model(ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32,
         if ep is not None:
             raise CheckpointError(f"{ckpt_dir}: DeepSeek-V4 runs on one device here (no expert parallelism)")
         return load_v4(ckpt_dir, args, device, dtype)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(args, ep)
         full = model if ep is None else Transformer(args)  # the whole checkpoint is still validated
     expected = {k: v for k, v in full.state_dict().items()

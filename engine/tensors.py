@@ -6,9 +6,11 @@ import json
 import os
 import re
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from .config import V4, CheckpointError, ModelArgs, V4Args
 
@@ -19,6 +21,23 @@ _V4_MTP = re.compile(r"(^|\.)mtp\.")  # DeepSeek-V4's multi-token-prediction mod
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
               "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _SkipInit(TorchFunctionMode):
+    """torch.nn.init's fills as no-ops: a model built to be given a checkpoint's tensors needs none. On the meta
+    device a random fill runs through torch._refs, whose first use imports torch._dynamo: ~2.5 CPU-s a process."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def on_meta():
+    """Modules built here are on the meta device, their parameters unfilled."""
+    with torch.device("meta"), _SkipInit():
+        yield
 
 
 def mtp_tensor(name: str, args: ModelArgs | V4Args) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from .config import CheckpointError, V4Args
 from .deepseek_v4 import V4Transformer
-from .tensors import mtp_tensor, read_tensors, seated
+from .tensors import mtp_tensor, on_meta, read_tensors, seated
 
 RENAMES = [(re.compile(a), b) for a, b in (
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
@@ -50,7 +50,7 @@ def engine_name(name: str) -> str:
 
 
 def load_v4(ckpt_dir: str, args: V4Args, device, dtype: torch.dtype) -> V4Transformer:
-    with torch.device("meta"):
+    with on_meta():
         model = V4Transformer(args)
     expected = {k: v for k, v in model.state_dict().items() if not (args.tie_word_embeddings and k == "lm_head.weight")}
     tensors, where = read_tensors(ckpt_dir, lambda n: mtp_tensor(n, args))

@@ -18,6 +18,8 @@ import contextlib
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,6 +193,17 @@ def test_weight_formats_agree(pair, tmp_path):
     sharded = load_model(write_checkpoint(tmp_path / "sharded", hf, per_expert_state_dict(hf), shards=3))
     assert torch.equal(engine_prefill(packed, PROMPT), ref)
     assert torch.equal(engine_prefill(sharded, PROMPT), ref)
+
+
+def test_a_load_builds_the_model_unfilled(tmp_path):
+    """The model a checkpoint is seated in is built without torch.nn.init's fills: on the meta device a fill would
+    import torch._dynamo, ~2.5 CPU-s in every engine process (a server, a parity or bench stage)."""
+    ckpt = str(tmp_path)
+    hf_model(next(iter(CONFIGS.values()))).save_pretrained(ckpt)
+    code = ("import sys, torch; from evident.engine.checkpoint import load_model; "
+            f"load_model({ckpt!r}); print('torch._dynamo' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr[-2000:]
 
 
 def test_greedy_and_decode_parity(pair):

@@ -82,11 +82,10 @@ def layout(a: ModelArgs, dtype) -> dict:
     """bench.floor.Layout's fields (engine.model.Transformer on the meta device; router gates fp32, as the engine
     keeps them). The cache a row reads at P positions: every layer's latent cache, P x (kv_lora_rank +
     qk_rope_head_dim)."""
-    import torch
-
     from evident.engine.model import MoE, Transformer
+    from evident.engine.tensors import on_meta
 
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(a)
     size = lambda name, p: p.numel() * (4 if name.endswith(".gate.weight") else dtype.itemsize)  # noqa: E731
     params = dict(model.named_parameters())  # a tied lm_head is the embedding table: listed once

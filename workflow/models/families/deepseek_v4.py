@@ -135,12 +135,11 @@ def layout(a: V4Args, dtype) -> dict:
     bytes, the rest in `dtype`; a hash layer reads its tid2eid row per row (k int64 ids) instead of the router's
     scores' top-k, the top-k layers the router and their score correction bias (fp32, with the weights); the cache by
     `cache_bytes`."""
-    import torch
-
     from evident.engine.deepseek_v4 import V4Transformer
+    from evident.engine.tensors import on_meta
     from evident.engine.v4_checkpoint import FP32
 
-    with torch.device("meta"):
+    with on_meta():
         model = V4Transformer(a)
     size = lambda name, t: t.numel() * (4 if FP32.search(name) else dtype.itemsize)  # noqa: E731
     params = dict(model.named_parameters())  # a tied lm_head is the embedding table: listed once
