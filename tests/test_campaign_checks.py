@@ -385,7 +385,7 @@ def test_a_campaign_runs_only_its_stages(tmp_path):
     are recorded as not run (never as passed), and SUMMARY.md names those stages."""
     wd = tmp_path / "wd"
     cfg = {"campaign": "mini", "checkpoint": {"base": "tiny"}, "stages": ["quality"],  # no cases: no oracle to follow
-           "quality": {"targets": ["hf"], "advisory": True}}
+           "quality": {"targets": ["hf"], "advisory": True, "gsm8k": {"limit": 2, "max_tokens": 8}}}
     r = snakemake(wd, cfg)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ev = next((wd / "evidence/mini").iterdir())

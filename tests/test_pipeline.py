@@ -283,29 +283,13 @@ def test_snakemake_lint_has_only_the_justified_finding(tmp_path):
     assert findings == {"* Specify a conda environment or container for each rule.:"}
 
 
-def test_parity_covers_the_triton_decode_path(tmp_path):
-    """`parity.kernels: [torch, triton]`: the engine also runs through the Triton kernels (the interpreter on
-    the CPU) and each setting gets its own parity cells against the same oracle."""
-    cfg = campaign(tmp_path, **{"parity.kernels": ["torch", "triton"], "parity.batch_sizes": [1, 2],
-                                "cases": [{"name": "greeting", "prompt": "Hello", "max_new_tokens": 4}],
-                                "stages": ["parity"]})  # and its oracle: no other stage runs the triton path here
-    r = snakemake(tmp_path, "--configfile", str(cfg))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ev = only_evidence_dir(tmp_path, "e2e")
-    run = json.loads((ev / "parity/single-triton-b2.json").read_text())
-    assert run["kernels"] == "triton" and run["backend"] == "single"
-    cells = json.loads((ev / "parity/comparison.json").read_text())["cells"]
-    assert sorted((c["kernels"], c["batch"], c["verdict"]) for c in cells) == [
-        ("torch", 1, "all_token_text_exact"), ("torch", 2, "all_token_text_exact"),
-        ("triton", 1, "all_token_text_exact"), ("triton", 2, "all_token_text_exact")]
-    assert json.loads((ev / "stages/parity-single-triton.json").read_text())["params"]["kernels"] == "triton"
-
-
 def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(tmp_path):
     """`engines:` (docs/engine-targets.md): a running OpenAI-compatible server's URL (the engine's own, on a
     checkpoint written from the same spec: the same bytes) and a command, beside the builtin engine, in one run:
     each its parity run held to the oracle, the URL a quality target and benched over HTTP too (with the builtin
-    engine's server, beside the in-process bench), sealed with each verdict and level."""
+    engine's server, beside the in-process bench), sealed with each verdict and level. `parity.kernels: [torch,
+    triton]`: the builtin engine also runs through the Triton kernels (the interpreter on the CPU), each setting
+    with its own parity cells against the same oracle (no other end-to-end run takes the triton path)."""
     from evident.workflow.models import checkpoints
     from evident.workflow.plan import targets
 
@@ -315,6 +299,8 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
     command = f"{{python}} {REPO / 'tests/command_engine.py'} --checkpoint {{checkpoint}} --dtype {{dtype}} {{request}} {{out}}"
     with targets.engine_server(ckpt, "cpu", "float32", tmp_path / "logs/served.log") as (url, _):
         cfg = campaign(tmp_path, **{"stages": ["parity", "serve_bench", "quality"], "parity.batch_sizes": [1, 2],
+                                    "parity.kernels": ["torch", "triton"],
+                                    "cases": [{"name": "greeting", "prompt": "Hello", "max_new_tokens": 4}],
                                     "bench.batch_sizes": [1, 2], "bench.prompts": ["Hi", "Hello, evident!"],
                                     "bench.http": {"concurrency": [1, 2]},
                                     "engines": [{"name": "remote", "kind": "openai", "url": url},
@@ -328,6 +314,12 @@ def test_a_campaign_pointed_at_a_server_url_and_a_command_seals_their_verdicts(t
         "remote": ("token", "all_token_text_exact"), "mine": ("token", "all_token_text_exact")}
     assert comparison["verdict"] == "all_token_text_exact"
     assert {c["backend"] for c in comparison["cells"]} == {"single", "remote", "mine"}
+    assert sorted((c["kernels"], c["batch"], c["verdict"]) for c in comparison["cells"] if c["backend"] == "single") \
+        == [("torch", 1, "all_token_text_exact"), ("torch", 2, "all_token_text_exact"),
+            ("triton", 1, "all_token_text_exact"), ("triton", 2, "all_token_text_exact")]
+    run = json.loads((ev / "parity/single-triton-b2.json").read_text())
+    assert run["kernels"] == "triton" and run["backend"] == "single"
+    assert json.loads((ev / "stages/parity-single-triton.json").read_text())["params"]["kernels"] == "triton"
     assert (ev / "quality/gsm8k-remote.json").is_file()
     summary, details = (ev / SUMMARY).read_text(), (ev / DETAILS).read_text()
     assert "`remote` (openai, token level)" in summary and "| engine target |" in summary

@@ -1,9 +1,9 @@
 """The quality gate on trained weights sees engine bugs that change answers. Small known bugs (tests/mutants.py),
 each applied to a scratch copy of the engine and served on its own OpenAI-compatible endpoint, are gated against
 transformers on the default campaign's trained checkpoint (the default run's, shared), in float32 (all six logic
-mutants) and in bfloat16 (the same weights rounded; two of them). The unmutated engine, the stage's own `engine`
-target, must pass and part from transformers' completions at near-ties only; a mutant's flips must be listed, and
-fail the gate. In float32, transformers' and the engine's completions are the default run's own quality stage's (the
+mutants) and in bfloat16 (the same weights rounded; the one that flips answers). The unmutated engine, the stage's
+own `engine` target, must pass and part from transformers' completions at near-ties only; a mutant's flips must be
+listed, and fail the gate. In float32, transformers' and the engine's completions are the default run's own quality stage's (the
 same checkpoint, data, contract and dtype), replayed. `pytest -s` prints the table.
 """
 
@@ -36,8 +36,9 @@ DTYPES = ("float32", "bfloat16")
 # (test_the_gate_lists_every_flip_and_fails_on_any); a mutant that changes no answer passes the quality gate, and the
 # parity logic check is what sees it.
 FLIPPING = ("yarn_hard_ramp",)
-# every logic mutant in float32 (the table); in bf16 two, to keep the suite's time
-MEASURED = {"float32": mutants.LOGIC, "bfloat16": ("route_drop_smallest", "yarn_hard_ramp")}
+# every logic mutant in float32 (the table); in bf16 the flipping one, to keep the suite's time (a mutant the gate
+# passes, as route_drop_smallest did in bf16, float32 shows five times over)
+MEASURED = {"float32": mutants.LOGIC, "bfloat16": FLIPPING}
 
 
 @pytest.fixture(scope="module")
