@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from evident.kernels import head
-from test_kernels import CUDA, DEV, VOCAB, fresh, gen, rel_err, torch_pick  # noqa: F401  (gen: a fixture)
+from test_kernels import CUDA, DEV, VOCAB_256, fresh, gen, rel_err, torch_pick  # noqa: F401  (gen: a fixture)
 
 K = 2048 if CUDA else 96
+# The screen's second launch under the interpreter: 4 checking programs, each scanning its span of rows SCAN at a
+# time. At the engine's SCAN (1024) a span first takes two scans at 4097 rows; at 256 (the ``scans`` fixture) at
+# 1025, the second as ragged (64 rows of a span of 320, as of 1088), in a quarter of the programs.
+SCREENED = VOCAB_256[1:]
 
 
 def launch(x, w, start=5):
@@ -21,9 +25,16 @@ def launch(x, w, start=5):
     return out, counts, nxt, lengths
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("V", VOCAB)
-@pytest.mark.parametrize("case", ["plain", "tie", "nan"])
+DTYPES, CASES = [torch.bfloat16, torch.float32], ["plain", "tie", "nan"]
+# (case, V, dtype). On the CPU the larger vocabularies take each case in one dtype, the dtypes in turn (each case and
+# each vocabulary meets both): the groups and chunks that ties and NaNs fall across are the vocabulary's, the logits'
+# rounding is the dtype's, and neither changes the other
+PICKS = [(c, V, dt) for c in CASES for V in VOCAB_256 for dt in DTYPES] if CUDA else \
+    [(c, V, DTYPES[(i + j) % 2]) for i, c in enumerate(CASES) for j, V in enumerate(VOCAB_256[:2])] + \
+    [(c, VOCAB_256[2], dt) for c in CASES for dt in DTYPES]
+
+
+@pytest.mark.parametrize("case,V,dtype", PICKS, ids=lambda v: str(v).removeprefix("torch."))
 def test_head_pick_is_the_projection_then_the_pick(dtype, V, case, gen, monkeypatch):
     """logits within rounding of W x; ids and margins as torch's pick of those logits; the pick written to the next
     input, the row's length advanced once, the counts back at zero. Groups of 4 programs, so that ties and NaNs
@@ -67,6 +78,13 @@ def test_head_pick_rejects_fall_back(gen):
     assert "V=1" in head.head_reason(x[:1], w[:1], counts, nxt, lengths)
 
 
+@pytest.fixture
+def scans(monkeypatch):
+    """Scans of 256 rows under the interpreter (see SCREENED); on a GPU the engine's SCAN."""
+    if not CUDA:
+        monkeypatch.setattr(head, "SCAN", 256)
+
+
 def screened(x, w, screen, start=5):
     nxt = torch.full((3,), -1, dtype=torch.int64, device=DEV)
     lengths = torch.full((3,), start, dtype=torch.int64, device=DEV)
@@ -99,11 +117,11 @@ def assert_same_pick(got, want):
     assert torch.equal(margins.nan_to_num(), want[2].nan_to_num()), (margins, want[2])
 
 
-@pytest.mark.parametrize("V", VOCAB[1:])
+@pytest.mark.parametrize("V", SCREENED)
 @pytest.mark.parametrize("case,dtype", [("plain", torch.bfloat16), ("plain", torch.float32), ("near", torch.bfloat16),
                                         ("near", torch.float32), ("tie", torch.bfloat16),
                                         ("exact_tie", torch.bfloat16), ("nan_input", torch.bfloat16)])
-def test_the_screened_pick_is_head_picks_bit_for_bit(case, dtype, V, gen):
+def test_the_screened_pick_is_head_picks_bit_for_bit(case, dtype, V, gen, scans):
     """ids and margins equal head_pick's on the same inputs (its logits' pick), the pick written and the length
     advanced once, the screen's scratch back at its start (in the plain case a second step on a smaller x, which a T
     kept from the first would wrongly leave unlisted, picks as head_pick again)."""
@@ -130,13 +148,13 @@ def test_the_screened_pick_is_head_picks_bit_for_bit(case, dtype, V, gen):
         assert got[0].item() == rows[0] and got[1].item() == 0
 
 
-def test_the_screens_bound_is_what_finds_a_row_its_int8_logits_rank_low(gen):
+def test_the_screens_bound_is_what_finds_a_row_its_int8_logits_rank_low(gen, scans):
     """The screen finds a row whose int8 logit ranks below two others' while its own is the largest: with every bound
     zeroed (the screen trusting its int8 logits) it does not. In fp32, the rows built to quantize exactly: row 0 is
     s Q (Q along x) plus a shift under half a step along x's signs (its int8 row Q again, its logit well above),
     rows 1 and 2 s Q with one element a step up where x is positive (their int8 logits above row 0's, their logits
     below)."""
-    x, w = fresh(1, K, dtype=torch.float32, gen=gen), 1e-3 * fresh(VOCAB[0], K, dtype=torch.float32, gen=gen)
+    x, w = fresh(1, K, dtype=torch.float32, gen=gen), 1e-3 * fresh(VOCAB_256[0], K, dtype=torch.float32, gen=gen)
     s, base = 2.0 ** -7, along(x)  # along x: these rows' logits far above the rest's; the scale s for all three
     up = 1 + int(torch.argmax(x[0, 1:]))
     shift = 0.45 * s * torch.sign(x[0])
