@@ -3,8 +3,8 @@ each applied to a scratch copy of the engine and served on its own OpenAI-compat
 transformers on the default campaign's trained checkpoint (the default run's, shared), in float32 (all six logic
 mutants) and in bfloat16 (the same weights rounded; the one that flips answers). The unmutated engine, the stage's
 own `engine` target, must pass and part from transformers' completions at near-ties only; a mutant's flips must be
-listed, and fail the gate. In float32, transformers' and the engine's completions are the default run's own quality stage's (the
-same checkpoint, data, contract and dtype), replayed. `pytest -s` prints the table.
+listed, and fail the gate. In float32, transformers' and the engine's completions are the default run's own quality
+stage's (the same checkpoint, data, contract and dtype), replayed. `pytest -s` prints the table.
 """
 
 from __future__ import annotations
